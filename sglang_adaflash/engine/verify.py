@@ -1,0 +1,95 @@
+"""Lossless verification of draft blocks: greedy matching and speculative (rejection) sampling.
+
+Vocabulary (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023), used the same way everywhere in this project:
+
+- proposal k (k = 1..K): the drafter's token for block slot k; K = candidates checked this step.
+- accepted: a proposal the target agrees with (greedy: equals the target's argmax at slot k-1;
+  sampling: kept with probability min(1, p(x) / q(x))). Acceptance stops at the first rejection.
+- rejected: the first proposal not accepted; everything after it is discarded.
+- recovered: the token sampled from the residual norm(max(0, p - q)) at the rejected slot.
+- bonus: when all K proposals are accepted, one more token from the target at slot K.
+- committed: the accepted proposals plus the bonus or recovered token (always at least one).
+- tau (acceptance length): committed tokens per step = accepted + 1.
+
+p is the target's (filtered) distribution at the slot before a proposal, q the drafter's
+distribution that the proposal was sampled from. The verifier does not know how drafts were made:
+it sees only draft ids, draft probabilities when sampling, and the target's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PLACEHOLDER = -1  # pads VerifyResult.tokens past each request's committed tokens
+
+
+@dataclass
+class VerifyResult:
+    # [bs, K+1] committed tokens per request, padded with PLACEHOLDER
+    tokens: torch.Tensor
+    # [bs] accepted proposals per request (tau = num_accepted + 1)
+    num_accepted: torch.Tensor
+
+    def to_lists(self) -> list[list[int]]:
+        rows = self.tokens.tolist()  # one device->host sync
+        return [row[: n + 1] for row, n in zip(rows, self.num_accepted.tolist())]
+
+
+def _first_rejection(accept: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+    """accept [bs, K] bool -> accepted prefix length [bs], never past num_candidates."""
+    k = accept.shape[1]
+    in_range = torch.arange(k, device=accept.device)[None] < num_candidates[:, None]
+    return (accept & in_range).long().cumprod(dim=1).sum(dim=1)
+
+
+def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> VerifyResult:
+    bs, k = draft_ids.shape
+    slots = torch.arange(k + 1, device=draft_ids.device)[None]
+    tokens = torch.full((bs, k + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
+    tokens[:, :k] = torch.where(slots[:, :k] < num_accepted[:, None], draft_ids, PLACEHOLDER)
+    tokens.scatter_(1, num_accepted[:, None], last[:, None])
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted)
+
+
+def verify_greedy(
+    draft_ids: torch.Tensor, target_logits: torch.Tensor, num_candidates: torch.Tensor
+) -> VerifyResult:
+    """draft_ids [bs, K]; target_logits [bs, K+1, V] (slot j predicts slot j+1); num_candidates [bs]."""
+    target_ids = target_logits.argmax(dim=-1)  # [bs, K+1]
+    accepted = _first_rejection(draft_ids == target_ids[:, :-1], num_candidates)
+    bonus = target_ids.gather(1, accepted[:, None]).squeeze(1)
+    return _assemble(draft_ids, accepted, bonus)
+
+
+def verify_sampling(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    num_candidates: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Speculative sampling: the committed tokens follow the target's distribution exactly.
+
+    draft_ids [bs, K] sampled from draft_probs q [bs, K, V]; target_probs p [bs, K+1, V].
+    """
+    bs, k = draft_ids.shape
+    p_at = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(-1)  # p(x_k) [bs, K]
+    q_at = draft_probs.gather(2, draft_ids[..., None]).squeeze(-1)  # q(x_k) [bs, K]
+    u = torch.rand(bs, k, generator=generator, device=draft_ids.device)
+    accepted = _first_rejection(u * q_at < p_at, num_candidates)  # u < p/q without dividing
+    rejected = accepted < num_candidates  # [bs]
+    p_last = target_probs.gather(1, accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    q_idx = accepted.clamp(max=max(k - 1, 0))
+    if k > 0:
+        q_last = draft_probs.gather(1, q_idx[:, None, None].expand(-1, 1, draft_probs.shape[-1])).squeeze(1)
+        residual = torch.where(rejected[:, None], (p_last - q_last).clamp(min=0), p_last)
+    else:
+        residual = p_last
+    # p == q on the support makes a rejection impossible; guard the degenerate empty residual
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_last, residual)
+    last = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+    return _assemble(draft_ids, accepted, last)

@@ -1,0 +1,200 @@
+"""Runs a local Hugging Face causal LM as the verifying target, over ragged per-request batches.
+
+We keep HF's modules and weights but drive them ourselves: tokens of all requests are packed
+(no padding) through every projection and MLP, so verify compute scales with the tokens actually
+verified; only attention sees a padded [bs, Q] layout over the slot KV cache. The runner also
+captures the residual stream after `capture_layer_ids` (HF's `hidden_states[id + 1]`), which is
+the drafter's context.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..drafter.layers import apply_rope, attention
+from ..engine.kv_cache import SlotKVCache
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+class TargetError(ValueError):
+    """A target model directory we cannot serve; the message says why."""
+
+
+@dataclass
+class TargetBatch:
+    """One ragged forward. Requests are slots 0..bs-1 of the cache."""
+
+    # [bs, Q] token ids, padded past each request's q_len
+    input_ids: torch.Tensor
+    # [bs] positions of each request's first token (= its committed cache length)
+    starts: torch.Tensor
+    # [bs] tokens per request
+    q_lens: torch.Tensor
+    # cache slot of request 0 (requests use consecutive slots)
+    slot_offset: int = 0
+
+    @classmethod
+    def from_lists(
+        cls, tokens: list[list[int]], starts: list[int], device="cpu", slot_offset: int = 0
+    ) -> TargetBatch:
+        q = max(len(t) for t in tokens)
+        ids = torch.zeros(len(tokens), q, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return cls(
+            input_ids=ids.to(device),
+            starts=torch.tensor(starts, dtype=torch.long, device=device),
+            q_lens=torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device),
+            slot_offset=slot_offset,
+        )
+
+    @property
+    def positions(self) -> torch.Tensor:  # [bs, Q]
+        q = self.input_ids.shape[1]
+        return self.starts[:, None] + torch.arange(q, device=self.starts.device)[None]
+
+    @property
+    def valid(self) -> torch.Tensor:  # [bs, Q] bool
+        q = self.input_ids.shape[1]
+        return torch.arange(q, device=self.q_lens.device)[None] < self.q_lens[:, None]
+
+
+class HFTarget:
+    """A causal LM from a local directory, verified-forward with captured hidden states."""
+
+    def __init__(self, model: nn.Module, *, path: str | None = None):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetError(
+                f"target model_type {cfg.model_type!r} is not supported; supported families: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.model = model.eval()
+        self.config = cfg
+        self.path = path
+        self.backbone = model.model
+        self.capture_layer_ids: list[int] = []
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device="cpu") -> HFTarget:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a Hugging Face model directory: config.json is missing")
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetError(
+                f"{path}: model_type {cfg.model_type!r} is not supported; use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        return cls(model.to(device), path=str(path))
+
+    # -- facts the compatibility check and the engine need ----------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.backbone.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+
+    def new_cache(self, num_slots: int, capacity: int) -> SlotKVCache:
+        return SlotKVCache(
+            self.num_layers,
+            self.config.num_key_value_heads,
+            self.head_dim,
+            num_slots=num_slots,
+            capacity=capacity,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    # -- the ragged forward -----------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: TargetBatch, cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits [T, V] and captured hidden states [T, K*H] (or None), T = sum(q_lens).
+
+        Rows are packed request by request in order. Writes each token's K/V into the cache at its
+        position; the caller commits by setting cache lengths afterwards.
+        """
+        valid = batch.valid
+        positions = batch.positions
+        flat_pos = positions[valid]  # [T]
+        x = self.embed_tokens(batch.input_ids[valid])  # [T, H]
+        cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
+        kv_len = int((batch.starts + batch.q_lens).max())
+        # key position <= query position; padded queries see key 0 only (their output is dropped)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
+        captured = []
+        capture = set(self.capture_layer_ids)
+        for i, layer in enumerate(self.backbone.layers):
+            x = x + self._attention(layer, i, layer.input_layernorm(x), cos[0], sin[0], batch, valid, cache, kv_len, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in capture:
+                captured.append((i, x))
+        x = self.backbone.norm(x)
+        logits = self.lm_head(x)
+        if self.num_layers - 1 in capture:  # HF's last hidden_states entry is the normed one
+            captured[-1] = (self.num_layers - 1, x)
+        aux = None
+        if self.capture_layer_ids:
+            by_id = dict(captured)
+            aux = torch.cat([by_id[i] for i in self.capture_layer_ids], dim=-1)
+        return logits, aux
+
+    def _attention(self, layer, idx, h, cos, sin, batch, valid, cache, kv_len, mask):
+        attn = layer.self_attn
+        t = h.shape[0]
+        hd = self.head_dim
+        q = attn.q_proj(h).view(t, -1, hd)
+        k = attn.k_proj(h).view(t, -1, hd)
+        v = attn.v_proj(h).view(t, -1, hd)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        k = apply_rope(k, cos[:, None], sin[:, None])
+        bs, qmax = valid.shape
+        q_pad = q.new_zeros(bs, qmax, q.shape[1], hd)
+        q_pad[valid] = q
+        k_pad = k.new_zeros(bs, qmax, k.shape[1], hd)
+        k_pad[valid] = k
+        v_pad = v.new_zeros(bs, qmax, v.shape[1], hd)
+        v_pad[valid] = v
+        off = batch.slot_offset
+        cache.write(idx, batch.positions, k_pad.transpose(1, 2), v_pad.transpose(1, 2), offset=off)
+        ck, cv = cache.view(idx, bs, kv_len, offset=off)
+        out = attention(q_pad.transpose(1, 2), ck, cv, mask, scale=getattr(attn, "scaling", None))
+        out = out.transpose(1, 2)[valid].reshape(t, -1)  # [T, nh*hd]
+        return attn.o_proj(out)

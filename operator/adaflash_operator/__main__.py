@@ -1,0 +1,54 @@
+"""`python -m adaflash_operator`: run the operator, or print the CRDs.
+
+    python -m adaflash_operator run [--namespace NS ...] [--metrics-port 8080] [--health-port 8081]
+    python -m adaflash_operator crds [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m adaflash_operator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run the operator")
+    run.add_argument("--namespace", "-n", action="append", default=[],
+                     help="watch only these namespaces (default: all)")
+    run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port (0: off)")
+    run.add_argument("--health-port", type=int, default=8081,
+                     help="liveness endpoint port: GET /healthz (0: off)")
+    run.add_argument("--verbose", action="store_true")
+    crds = sub.add_parser("crds", help="print the CRDs (or write them to --out)")
+    crds.add_argument("--out", type=Path, help="directory to write one file per CRD into")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "crds":
+        from . import crds as crds_mod
+        for fname in crds_mod.CRD_FILES:
+            text = crds_mod.render(fname)
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / fname).write_text(text)
+            else:
+                sys.stdout.write("---\n" + text)
+        return 0
+
+    import kopf.cli
+
+    os.environ["ADAFLASH_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
+    kargs = ["run", "--standalone", "-m", "adaflash_operator.handlers"]
+    kargs += [f"--namespace={ns}" for ns in args.namespace] or ["--all-namespaces"]
+    if args.health_port:
+        kargs.append(f"--liveness=http://0.0.0.0:{args.health_port}/healthz")
+    if args.verbose:
+        kargs.append("--verbose")
+    return kopf.cli.main(args=kargs, standalone_mode=False) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

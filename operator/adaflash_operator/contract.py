@@ -1,0 +1,52 @@
+"""Names that the operator shares with the serving pods and the distillation Job.
+
+This module is the single place that spells them; docs/operator.md documents them as the
+contract. The serving-side reload agent and the training job implement the other side.
+"""
+
+GROUP = "adaflash.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+SERVICE_KIND = "AdaFlashService"
+SERVICE_PLURAL = "adaflashservices"
+DRAFTER_KIND = "DrafterVersion"
+DRAFTER_PLURAL = "drafterversions"
+
+# The shared volume inside every pod (ADAFLASH_HOME), see DESIGN.md "Shared volume".
+HOME = "/var/lib/adaflash"
+DRAFTERS_DIR = f"{HOME}/drafters"
+# Where the fleet ConfigMap and the downward-API annotations are mounted in serving pods.
+CONTROL_DIR = "/etc/adaflash"
+# File (ConfigMap key) holding the fleet's drafter version, e.g. "v000003".
+FLEET_VERSION_KEY = "drafter-version"
+FLEET_VERSION_FILE = f"{CONTROL_DIR}/fleet/{FLEET_VERSION_KEY}"
+# Downward-API file with all pod annotations ("key=\"value\"" lines).
+POD_ANNOTATIONS_FILE = f"{CONTROL_DIR}/pod/annotations"
+
+# Pod annotations. Written by the operator:
+DESIRED_VERSION = "adaflash.io/desired-drafter-version"  # canary pods only; overrides the fleet
+# Written by the serving pod on itself (its ServiceAccount may patch pods):
+LOADED_VERSION = "adaflash.io/loaded-drafter-version"  # what it serves now (DESIGN.md)
+LOAD_ERROR = "adaflash.io/drafter-load-error"  # "<version>: <reason>" after a failed load
+ACCEPTANCE_TAU = "adaflash.io/acceptance-tau"  # live mean acceptance length, decimal string
+TRAFFIC_RECORDS = "adaflash.io/traffic-records"  # records this pod logged since it started
+
+# Labels.
+LABEL_SERVICE = "adaflash.io/service"  # the owning AdaFlashService's name
+LABEL_COMPONENT = "adaflash.io/component"  # serving | distill | storage
+LABEL_ROUND = "adaflash.io/distill-round"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "adaflash-operator"
+
+# Environment of the serving pods.
+ENV_HOME = "ADAFLASH_HOME"
+ENV_POD_NAME = "ADAFLASH_POD_NAME"
+ENV_POD_NAMESPACE = "ADAFLASH_POD_NAMESPACE"
+ENV_FLEET_VERSION_FILE = "ADAFLASH_FLEET_VERSION_FILE"
+ENV_POD_ANNOTATIONS_FILE = "ADAFLASH_POD_ANNOTATIONS_FILE"
+
+# The distillation Job's container writes its report (JSON) here; Kubernetes copies it into the
+# terminated container state's `message` (at most 4096 bytes).
+TERMINATION_LOG = "/dev/termination-log"
+DISTILL_CONTAINER = "distill"
+SERVING_CONTAINER = "sglang"

@@ -1,0 +1,362 @@
+"""The CRDs of adaflash.io/v1alpha1, defined once here.
+
+`python -m adaflash_operator crds` writes them; the chart's `crds/` files are that output and a
+test checks they match. The schemas are structural (every field typed), carry validation and
+defaults, and the API server applies them before the operator sees an object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from . import contract as c
+
+Schema = dict[str, Any]
+
+VERSION_PATTERN = r"^v[0-9]{6}$"
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _str(desc: str, default: str | None = None, pattern: str | None = None, **kw: Any) -> Schema:
+    s: Schema = {"type": "string", "description": desc, **kw}
+    if default is not None:
+        s["default"] = default
+    if pattern is not None:
+        s["pattern"] = pattern
+    return s
+
+
+def _int(desc: str, default: int | None = None, minimum: int | None = None,
+         maximum: int | None = None) -> Schema:
+    s: Schema = {"type": "integer", "description": desc}
+    if default is not None:
+        s["default"] = default
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    return s
+
+
+def _num(desc: str, default: float | None = None, minimum: float | None = None,
+         maximum: float | None = None, **kw: Any) -> Schema:
+    s: Schema = {"type": "number", "description": desc, **kw}
+    if default is not None:
+        s["default"] = default
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    return s
+
+
+def _bool(desc: str, default: bool | None = None) -> Schema:
+    s: Schema = {"type": "boolean", "description": desc}
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def _obj(desc: str, props: dict[str, Schema], required: list[str] | None = None,
+         default: dict | None = None) -> Schema:
+    s: Schema = {"type": "object", "description": desc, "properties": props}
+    if required:
+        s["required"] = required
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def _list(desc: str, items: Schema) -> Schema:
+    return {"type": "array", "description": desc, "items": items}
+
+
+def _free(desc: str) -> Schema:
+    """A Kubernetes object kept as is (resources, tolerations...): validated by the pod API."""
+    return {"type": "object", "description": desc, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _map(desc: str, value: Schema) -> Schema:
+    return {"type": "object", "description": desc, "additionalProperties": value}
+
+
+def _tau_map(desc: str) -> Schema:
+    return _map(desc, {"type": "number", "minimum": 0})
+
+
+_CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and DistillationFailed).", _obj(
+    "A condition.",
+    {
+        "type": _str("Condition type."),
+        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _str("CamelCase reason."),
+        "message": _str("Human-readable detail."),
+        "lastTransitionTime": _str("When the status last changed.", format="date-time"),
+        "observedGeneration": _int("Generation this condition was computed from."),
+    },
+    required=["type", "status"],
+))
+
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+_RESOURCES = _obj("CPU and memory requests and limits (a core/v1 ResourceRequirements subset).", {
+    "requests": _map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY),
+    "limits": _map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY),
+})
+
+SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", {
+    "model": _obj("The target model.", {
+        "target": _str("Target model path or Hugging Face id passed to --model-path.", minLength=1),
+        "servedModelName": _str("Name served by the OpenAI-compatible API (--served-model-name)."),
+    }, required=["target"]),
+    "replicas": _int("Number of serving pods (scale subresource).", 1, 0, 512),
+    "serving": _obj("The SGLang serving pods.", {
+        "image": _str("Image with SGLang 0.5.23 and sglang-adaflash installed.", minLength=1),
+        "imagePullPolicy": _str("Pull policy.", "IfNotPresent",
+                                enum=["Always", "IfNotPresent", "Never"]),
+        "port": _int("HTTP port of SGLang; also serves /metrics.", 30000, 1, 65535),
+        "blockSize": _int("Drafter block size B (--speculative-num-draft-tokens).", 16, 2, 64),
+        "gpus": _int("nvidia.com/gpu per pod (also --tp-size).", 1, 0, 16),
+        "extraArgs": _list("Extra arguments appended to sglang.launch_server.", {"type": "string"}),
+        "env": _list("Extra environment variables (core/v1 EnvVar).", _free("An EnvVar.")),
+        "resources": _RESOURCES,
+        "nodeSelector": _map("Node selector.", {"type": "string"}),
+        "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
+        "startupSeconds": _int("How long model loading may take before the pod is restarted.",
+                               1800, 60, 86400),
+        "logTraffic": _bool("Log finished requests to the shared volume for distillation.", True),
+    }, required=["image"]),
+    "storage": _obj("The shared volume (ADAFLASH_HOME).", {
+        "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one."),
+        "size": _str("Size of the created claim.", "200Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"),
+        "storageClassName": _str("Storage class of the created claim (must support the access mode)."),
+        "accessMode": _str("Access mode: serving pods and Jobs on several nodes need ReadWriteMany.",
+                           "ReadWriteMany", enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]),
+    }, default={}),
+    "drafter": _obj("Which drafter version the fleet serves.", {
+        "initialVersion": _str("Version on the shared volume that pods load at start.", "v000001",
+                               pattern=VERSION_PATTERN),
+        "pinnedVersion": _str("Pin the fleet to this version: stops rollouts; set an older one to "
+                              "roll back. Empty means follow the rollout.", pattern=r"^(v[0-9]{6})?$"),
+    }, default={}),
+    "distillation": _obj("On-policy distillation Jobs.", {
+        "enabled": _bool("Start distillation Jobs.", True),
+        "image": _str("Image of the training job (python -m training_job.distill). "
+                      "Defaults to serving.image."),
+        "gpus": _int("nvidia.com/gpu for the Job.", 1, 0, 16),
+        "resources": _RESOURCES,
+        "minNewRecords": _int("Start a round once this many new traffic records are logged.",
+                              128, 1),
+        "intervalSeconds": _int("Also start a round this long after the last one (0: never).",
+                                0, 0),
+        "backoffSeconds": _int("Delay before retrying a failed Job; doubles each failure.", 60, 1),
+        "maxBackoffSeconds": _int("Cap of the retry delay.", 3600, 1),
+        "activeDeadlineSeconds": _int("Kill a Job running longer than this.", 86400, 60),
+        "extraArgs": _list("Extra arguments for training_job.distill.", {"type": "string"}),
+        "nodeSelector": _map("Node selector.", {"type": "string"}),
+        "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
+    }, default={}),
+    "rollout": _obj("How a new drafter version reaches the fleet.", {
+        "minTauGain": _num("Evaluation gate: candidate held-out tau must be at least the serving "
+                           "version's times (1 + minTauGain).", 0.0, -1.0, 10.0),
+        "canaryFraction": _num("Fraction of ready pods that load the candidate first (at least one).",
+                               0.25, 0.0, 1.0, exclusiveMinimum=True),
+        "bakeSeconds": _int("How long canary pods serve the candidate before the live comparison.",
+                            600, 0),
+        "loadTimeoutSeconds": _int("Roll back if a canary pod has not loaded the candidate by then.",
+                                   300, 1),
+        "maxLiveTauDrop": _num("Roll back if canary live tau < fleet live tau * (1 - this).",
+                               0.05, 0.0, 1.0),
+        "autoPromote": _bool("Promote automatically after a good bake.", True),
+    }, default={}),
+}, required=["model", "serving"])
+
+_ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
+    "version": _str("Version being rolled out."),
+    "phase": _str("Gate, Canary, Baking, Promoted, Rejected, RolledBack.",
+                  enum=["Gate", "Canary", "Baking", "Promoted", "Rejected", "RolledBack"]),
+    "canaryPods": _list("Pods annotated with the candidate.", {"type": "string"}),
+    "startedAt": _str("When the canary started.", format="date-time"),
+    "loadedAt": _str("When every canary pod had loaded the candidate.", format="date-time"),
+    "baselineTau": _num("Fleet live tau when the canary started.", minimum=0),
+    "reason": _str("Reason of the last transition."),
+    "message": _str("Detail of the last transition."),
+})
+
+_DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).", {
+    "round": _int("Rounds started so far."),
+    "activeJob": _str("Name of the running Job, if any."),
+    "lastRoundAt": _str("When the last round started.", format="date-time"),
+    "lastSuccessAt": _str("When a round last published a version.", format="date-time"),
+    "consecutiveFailures": _int("Failed Jobs since the last success."),
+    "retryAfter": _str("No new Job before this time (backoff).", format="date-time"),
+    "recordsAtLastRound": _map("Traffic records per pod when the last round started.",
+                               {"type": "integer"}),
+    "newRecords": _int("Traffic records logged since the last round."),
+    "lastError": _str("Why the last Job failed."),
+})
+
+_POD_STATUS = _obj("What one serving pod reports.", {
+    "name": _str("Pod name."),
+    "ready": _bool("Pod is Ready."),
+    "desiredVersion": _str("Canary version annotated on the pod, if any."),
+    "loadedVersion": _str("Version the pod reports it serves."),
+    "tau": _num("Live acceptance length the pod reports.", minimum=0),
+    "loadError": _str("Last load failure the pod reported."),
+})
+
+SERVICE_STATUS: Schema = _obj("Observed state.", {
+    "observedGeneration": _int("Generation the children reflect."),
+    "conditions": _CONDITIONS,
+    "servingVersion": _str("Version of the fleet (the ConfigMap)."),
+    "candidateVersion": _str("Version in gate, canary or bake."),
+    "latestVersion": _str("Newest published version."),
+    "replicas": _int("Serving pods (scale subresource)."),
+    "readyReplicas": _int("Ready serving pods."),
+    "selector": _str("Label selector of the serving pods (scale subresource)."),
+    "tau": _num("Mean live acceptance length reported by the pods.", minimum=0),
+    "pods": _list("Per-pod drafter versions.", _POD_STATUS),
+    "rollout": _ROLLOUT_STATUS,
+    "distillation": _DISTILL_STATUS,
+    "kopf": {"type": "object", "description": "Operator framework bookkeeping.",
+             "x-kubernetes-preserve-unknown-fields": True},
+})
+
+DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on the shared volume).", {
+    "service": _str("The AdaFlashService this version was distilled for.", pattern=NAME_PATTERN),
+    "version": _str("Version directory under drafters/.", pattern=VERSION_PATTERN),
+    "parent": _str("Version it was distilled from.", pattern=r"^(v[0-9]{6})?$"),
+    "created": _str("When the Job published it.", format="date-time"),
+    "jobName": _str("Job that produced it."),
+    "target": _obj("Target model it was trained for.", {
+        "name": _str("Target name."), "sha256": _str("sha256 of the target config."),
+    }),
+    "training": _obj("Training summary from the manifest.", {
+        "algorithm": _str("e.g. opd-rkl."),
+        "records": _int("Traffic records used.", minimum=0),
+        "steps": _int("Optimizer steps.", minimum=0),
+        "finalLoss": _num("Final training loss."),
+    }),
+    "eval": _obj("Held-out evaluation by the Job.", {
+        "tau": _tau_map("Acceptance length by domain for this version."),
+        "parentTau": _tau_map("Acceptance length by domain for the parent, same records."),
+    }),
+}, required=["service", "version"])
+
+DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
+    "phase": _str("Lifecycle phase.", enum=["Candidate", "Canary", "Serving", "Retired",
+                                           "Rejected", "RolledBack"]),
+    "reason": _str("Reason of the last transition."),
+    "message": _str("Detail of the last transition."),
+    "evalTau": _num("Mean held-out tau of this version.", minimum=0),
+    "baselineTau": _num("Mean held-out tau it was gated against.", minimum=0),
+    "liveTau": _num("Live tau of canary pods at the end of the bake.", minimum=0),
+    "canaryPods": _list("Pods that served it as canary.", {"type": "string"}),
+    "history": _list("Phase transitions, oldest first.", _obj("A transition.", {
+        "phase": _str("Phase entered."), "reason": _str("Reason."),
+        "time": _str("When.", format="date-time"),
+    })),
+    "conditions": _CONDITIONS,
+    "kopf": {"type": "object", "description": "Operator framework bookkeeping.",
+             "x-kubernetes-preserve-unknown-fields": True},
+})
+
+
+def _crd(kind: str, plural: str, singular: str, short: list[str], spec: Schema, status: Schema,
+         columns: list[dict], scale: bool) -> dict:
+    subresources: dict[str, Any] = {"status": {}}
+    if scale:
+        subresources["scale"] = {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{plural}.{c.GROUP}",
+            "annotations": {"helm.sh/resource-policy": "keep"},
+            "labels": {"app.kubernetes.io/part-of": "adaflash"},
+        },
+        "spec": {
+            "group": c.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural,
+                      "singular": singular, "shortNames": short, "categories": ["adaflash"]},
+            "versions": [{
+                "name": c.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": subresources,
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": f"{kind} ({c.API_VERSION}).",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec,
+                        "status": status,
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
+def _col(name: str, path: str, typ: str = "string", priority: int = 0, desc: str = "") -> dict:
+    col = {"name": name, "type": typ, "jsonPath": path}
+    if priority:
+        col["priority"] = priority
+    if desc:
+        col["description"] = desc
+    return col
+
+
+def service_crd() -> dict:
+    return _crd(c.SERVICE_KIND, c.SERVICE_PLURAL, "adaflashservice", ["afs"], SERVICE_SPEC,
+                SERVICE_STATUS, [
+                    _col("Serving", ".status.servingVersion", desc="Fleet drafter version"),
+                    _col("Candidate", ".status.candidateVersion", desc="Version in rollout"),
+                    _col("Latest", ".status.latestVersion", desc="Newest published version"),
+                    _col("Ready", ".status.readyReplicas", "integer", desc="Ready pods"),
+                    _col("Replicas", ".spec.replicas", "integer", desc="Desired pods"),
+                    _col("Tau", ".status.tau", "number", desc="Live acceptance length"),
+                    _col("Rollout", ".status.rollout.phase", priority=1),
+                    _col("Age", ".metadata.creationTimestamp", "date"),
+                ], scale=True)
+
+
+def drafter_crd() -> dict:
+    return _crd(c.DRAFTER_KIND, c.DRAFTER_PLURAL, "drafterversion", ["dv"], DRAFTER_SPEC,
+                DRAFTER_STATUS, [
+                    _col("Service", ".spec.service"),
+                    _col("Version", ".spec.version"),
+                    _col("Parent", ".spec.parent"),
+                    _col("Phase", ".status.phase"),
+                    _col("EvalTau", ".status.evalTau", "number"),
+                    _col("LiveTau", ".status.liveTau", "number"),
+                    _col("Reason", ".status.reason", priority=1),
+                    _col("Age", ".metadata.creationTimestamp", "date"),
+                ], scale=False)
+
+
+CRD_FILES = {
+    "adaflashservices.yaml": service_crd,
+    "drafterversions.yaml": drafter_crd,
+}
+
+HEADER = "# Generated by `python -m adaflash_operator crds`; edit operator/adaflash_operator/crds.py.\n"
+
+
+def render(name: str) -> str:
+    return HEADER + yaml.safe_dump(CRD_FILES[name](), sort_keys=False, width=100)
+
+
+def openapi_schema(kind: str) -> Schema:
+    crd = service_crd() if kind == c.SERVICE_KIND else drafter_crd()
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -1,0 +1,150 @@
+"""Distillation trigger, retry backoff, Job outcome and Job report parsing. Pure functions.
+
+Traffic trigger: every serving pod reports `adaflash.io/traffic-records`, the count of records it
+logged since it started. At the start of a round the operator stores each pod's count in
+`status.distillation.recordsAtLastRound`; new records are the sum over pods of what each logged
+since (a pod whose count went down restarted, so all its count is new).
+
+Job report: the Job's container writes one JSON object to /dev/termination-log, which Kubernetes
+copies into the terminated container state's `message` (4096 bytes at most)::
+
+    {"version": "v000002", "parent": "v000001", "created": "2026-...Z",
+     "target": {"name": "Qwen/Qwen3-8B", "sha256": "..."},
+     "training": {"algorithm": "opd-rkl", "records": 512, "steps": 64, "finalLoss": 0.41},
+     "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9}}}
+
+Only `version` is required. The same fields are in drafters/<version>/manifest.json.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass
+
+from .spec import Distillation
+
+VERSION_RE = re.compile(r"^v[0-9]{6}$")
+
+
+class ReportError(ValueError):
+    """The Job succeeded but its report is missing or malformed."""
+
+
+def new_records(counts: dict[str, int], baseline: dict[str, int]) -> int:
+    total = 0
+    for pod, count in counts.items():
+        before = baseline.get(pod, 0)
+        total += count - before if count >= before else count
+    return total
+
+
+@dataclass(frozen=True)
+class Trigger:
+    start: bool
+    reason: str  # Records | Interval | Retry | Running | Backoff | Waiting | Disabled
+
+
+def should_start(d: Distillation, *, active_job: str | None, new: int,
+                 last_round_at: dt.datetime | None, retry_after: dt.datetime | None,
+                 now: dt.datetime, retrying: bool = False) -> Trigger:
+    """Whether to start a distillation Job now (at most one runs at a time).
+
+    `retrying`: the last Job failed; its round is tried again once the backoff has passed,
+    whatever the traffic since.
+    """
+    if not d.enabled:
+        return Trigger(False, "Disabled")
+    if active_job:
+        return Trigger(False, "Running")
+    if retry_after is not None and now < retry_after:
+        return Trigger(False, "Backoff")
+    if retrying:
+        return Trigger(True, "Retry")
+    if new >= d.min_new_records:
+        return Trigger(True, "Records")
+    if d.interval_seconds and last_round_at is not None and \
+            (now - last_round_at).total_seconds() >= d.interval_seconds:
+        return Trigger(True, "Interval")
+    return Trigger(False, "Waiting")
+
+
+def backoff_seconds(failures: int, base: int, cap: int) -> int:
+    """Delay before the next try after `failures` consecutive failures (>= 1): doubles, capped."""
+    return int(min(cap, base * 2 ** max(0, failures - 1)))
+
+
+def job_outcome(job: dict) -> tuple[str, str]:
+    """("running" | "succeeded" | "failed", detail) from a batch/v1 Job's status."""
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+            return "succeeded", ""
+        if cond.get("type") in ("Failed", "FailureTarget"):
+            return "failed", f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".strip()
+    if status.get("succeeded"):
+        return "succeeded", ""
+    if status.get("failed"):
+        return "failed", "BackoffLimitExceeded: the distillation pod failed"
+    return "running", ""
+
+
+def termination_message(pod: dict, container: str) -> str | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container:
+            term = (cs.get("state") or {}).get("terminated")
+            if term is not None:
+                return term.get("message") or ""
+    return None
+
+
+def failure_detail(pod: dict, container: str) -> str:
+    """The failed container's exit code and last words, for the condition message."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term:
+                msg = (term.get("message") or "").strip().splitlines()
+                tail = f": {msg[-1][:300]}" if msg else ""
+                return f"exit code {term.get('exitCode')} ({term.get('reason', '')}){tail}"
+    return ""
+
+
+def parse_report(message: str | None) -> dict:
+    """Parse and check the Job's report; raise ReportError saying what the Job must write."""
+    if not message:
+        raise ReportError("the distillation Job succeeded but wrote no report to "
+                          "/dev/termination-log; the job must write one JSON object with at "
+                          "least {\"version\": \"vNNNNNN\"}")
+    try:
+        report = json.loads(message)
+    except json.JSONDecodeError as e:
+        raise ReportError(f"the distillation Job's report is not JSON ({e}); it must be one "
+                          f"JSON object, got {message[:120]!r}") from e
+    if not isinstance(report, dict):
+        raise ReportError(f"the distillation Job's report must be a JSON object, got "
+                          f"{type(report).__name__}")
+    version = report.get("version")
+    if not isinstance(version, str) or not VERSION_RE.match(version):
+        raise ReportError(f"the report's version must look like v000002, got {version!r}")
+    parent = report.get("parent") or ""
+    if parent and not VERSION_RE.match(str(parent)):
+        raise ReportError(f"the report's parent must look like v000001, got {parent!r}")
+    ev = report.get("eval") or {}
+    for key in ("tau", "parentTau"):
+        taus = ev.get(key) or {}
+        if not isinstance(taus, dict) or not all(
+                isinstance(v, (int, float)) and v >= 0 for v in taus.values()):
+            raise ReportError(f"the report's eval.{key} must map domain -> tau >= 0, got {taus!r}")
+    return report
+
+
+def mean_tau(taus: dict[str, float] | None, domains: set[str] | None = None) -> float | None:
+    """Unweighted mean over domains (restricted to `domains` when given); None if empty."""
+    if not taus:
+        return None
+    vals = [float(v) for k, v in taus.items() if domains is None or k in domains]
+    return sum(vals) / len(vals) if vals else None

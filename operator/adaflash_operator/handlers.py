@@ -1,0 +1,434 @@
+"""kopf handlers: glue between the cluster and the pure modules.
+
+- create/update/resume of an AdaFlashService: validate the spec, create missing children, adopt
+  and update existing ones, patch status.
+- a timer per AdaFlashService (every ADAFLASH_OPERATOR_TICK_SECONDS, default 10): the same
+  reconciliation, then the distillation loop, then one rollout step. Progress lives in the
+  object's status, so a restarted operator resumes.
+Deletion needs no handler: every child carries an owner reference and the garbage collector
+removes it with the AdaFlashService.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from . import contract as c
+from . import distill, kube, manifests, metrics, rollout
+from . import spec as spec_mod
+from .conditions import get_condition, is_subset, replace_patch, set_condition
+
+TICK = float(os.environ.get("ADAFLASH_OPERATOR_TICK_SECONDS", "10"))
+SERVICE = dict(group=c.GROUP, version=c.VERSION, plural=c.SERVICE_PLURAL)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _ts(t: dt.datetime) -> str:
+    return rollout._ts(t)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Fires once when the operator starts."""
+    settings.posting.level = logging.INFO
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix="kopf.adaflash.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.adaflash.io", key="last-handled-configuration")
+    settings.watching.server_timeout = 300
+    # The chart installs the CRDs before the operator starts and names the namespaces to watch
+    # (or all of them), so neither CRDs nor namespaces need watching: less RBAC.
+    settings.scanning.disabled = True
+    port = int(os.environ.get("ADAFLASH_OPERATOR_METRICS_PORT", "0"))
+    if port:
+        metrics.serve(port)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        kube.configure(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    await kube.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Children
+
+
+class Conflict(Exception):
+    """A child exists but another controller owns it."""
+
+
+async def ensure(desired: dict, owner_uid: str, *, update_spec: bool = True,
+                 keep_data: bool = False) -> dict:
+    """Create `desired` if missing; else adopt it and bring what we manage up to date."""
+    meta = desired["metadata"]
+    kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
+    live = await kube.get(kind, ns, name)
+    if live is None:
+        try:
+            return await kube.create(desired)
+        except kube.ApiError as e:
+            if e.status != 409:
+                raise
+            live = await kube.get(kind, ns, name)
+            if live is None:
+                raise kopf.TemporaryError(f"{kind} {name} vanished while created", delay=2) from e
+    owners = (live.get("metadata") or {}).get("ownerReferences") or []
+    controller = next((o for o in owners if o.get("controller")), None)
+    if controller is not None and controller.get("uid") != owner_uid:
+        raise Conflict(f"{kind} {ns}/{name} already exists and is controlled by "
+                       f"{controller.get('kind')} {controller.get('name')}; delete it or rename "
+                       f"the AdaFlashService")
+    want: dict = {"metadata": {"labels": meta["labels"]}}
+    if controller is None:  # adopt
+        want["metadata"]["ownerReferences"] = owners + meta["ownerReferences"]
+    for key in ("spec", "data", "rules", "roleRef", "subjects"):
+        if key not in desired or (key == "spec" and not update_spec) or (
+                key == "data" and keep_data):
+            continue
+        want[key] = desired[key]
+    if not is_subset(want, live):
+        live = await kube.patch(kind, ns, name, want)
+    return live
+
+
+async def reconcile_children(owner: dict, s: spec_mod.ServiceSpec) -> tuple[dict, str]:
+    """Ensure every child; return (the Deployment, the fleet version in the ConfigMap)."""
+    uid = owner["metadata"]["uid"]
+    if not s.existing_claim:
+        # A bound claim's spec is immutable except for growth; we only create it.
+        await ensure(manifests.pvc(owner, s), uid, update_spec=False)
+    cm = await ensure(manifests.configmap(owner, s.pinned_version or s.initial_version), uid,
+                      keep_data=True)
+    fleet = (cm.get("data") or {}).get(c.FLEET_VERSION_KEY) or s.initial_version
+    await ensure(manifests.service_account(owner), uid)
+    await ensure(manifests.role(owner), uid)
+    await ensure(manifests.role_binding(owner), uid)
+    dep = await ensure(manifests.deployment(owner, s), uid)
+    await ensure(manifests.service(owner, s), uid)
+    return dep, fleet
+
+
+def _owner(body: kopf.Body) -> dict:
+    meta = body["metadata"]
+    return {"apiVersion": body.get("apiVersion", c.API_VERSION),
+            "kind": body.get("kind", c.SERVICE_KIND),
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                         "uid": meta.get("uid")}}
+
+
+async def _parse_or_condition(body: kopf.Body, status: dict, patch: kopf.Patch,
+                              logger: logging.Logger) -> spec_mod.ServiceSpec | None:
+    gen = body["metadata"].get("generation")
+    try:
+        s = spec_mod.parse(body.get("spec"))
+    except spec_mod.InvalidSpec as e:
+        conds = set_condition(status.get("conditions"), "Ready", False, "InvalidSpec", str(e),
+                              _ts(_now()), gen)
+        patch.status["conditions"] = conds
+        if get_condition(status.get("conditions"), "Ready") != get_condition(conds, "Ready"):
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+        logger.error(f"invalid spec: {e}")
+        metrics.RECONCILES.labels("invalid").inc()
+        return None
+    if not body["metadata"].get("uid"):
+        raise kopf.TemporaryError("the AdaFlashService has no uid yet", delay=5)
+    return s
+
+
+async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
+                     logger: logging.Logger) -> tuple[spec_mod.ServiceSpec, str, list] | None:
+    s = await _parse_or_condition(body, status, patch, logger)
+    if s is None:
+        return None
+    owner = _owner(body)
+    ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
+    now = _ts(_now())
+    gen = body["metadata"].get("generation")
+    conds = list(status.get("conditions") or [])
+    try:
+        dep, fleet = await reconcile_children(owner, s)
+    except Conflict as e:
+        conds = set_condition(conds, "Degraded", True, "ChildConflict", str(e), now, gen)
+        conds = set_condition(conds, "Ready", False, "ChildConflict", str(e), now, gen)
+        patch.status["conditions"] = conds
+        metrics.RECONCILES.labels("conflict").inc()
+        raise kopf.TemporaryError(str(e), delay=30) from e
+    metrics.RECONCILES.labels("ok").inc()
+    pods = [p for p in await kube.list_("Pod", ns, manifests.selector(name))
+            if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    infos = [rollout.PodInfo.from_pod(p) for p in pods]
+    ready = sum(1 for p in infos if p.ready)
+    taus = [p.tau for p in infos if p.ready and p.tau is not None]
+    tau = round(sum(taus) / len(taus), 4) if taus else None
+    patch.status["observedGeneration"] = gen
+    patch.status["servingVersion"] = fleet
+    patch.status["replicas"] = len(infos)
+    patch.status["readyReplicas"] = ready
+    patch.status["selector"] = manifests.selector_string(name)
+    patch.status["tau"] = tau
+    patch.status["pods"] = [{k: v for k, v in {
+        "name": p.name, "ready": p.ready, "desiredVersion": p.desired,
+        "loadedVersion": p.loaded, "tau": p.tau, "loadError": p.error}.items() if v is not None}
+        for p in sorted(infos, key=lambda p: p.name)]
+    if s.replicas == 0:
+        conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
+    elif ready >= s.replicas:
+        conds = set_condition(conds, "Ready", True, "AllPodsReady",
+                              f"{ready}/{s.replicas} serving pods ready", now, gen)
+    else:
+        conds = set_condition(conds, "Ready", False, "PodsNotReady",
+                              f"{ready}/{s.replicas} serving pods ready", now, gen)
+    patch.status["conditions"] = conds
+    metrics.set_serving(ns, name, fleet)
+    if tau is not None:
+        metrics.LIVE_TAU.labels(ns, name).set(tau)
+    logger.debug(f"reconciled: deployment {dep['metadata']['name']}, fleet {fleet}")
+    return s, fleet, infos
+
+
+@kopf.on.resume(**SERVICE)
+@kopf.on.create(**SERVICE)
+@kopf.on.update(**SERVICE, field="spec")
+async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
+                    logger: kopf.Logger, **_: Any) -> None:
+    """Fires when an AdaFlashService appears, its spec changes, or the operator restarts."""
+    result = await _reconcile(body, dict(status), patch, logger)
+    if result is None:
+        raise kopf.PermanentError("invalid spec; see the Ready condition")
+
+
+# ---------------------------------------------------------------------------------------------
+# The control loop
+
+
+@kopf.timer(**SERVICE, interval=TICK, initial_delay=min(TICK, 1.0))
+async def control_loop(body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
+                       logger: kopf.Logger, **_: Any) -> None:
+    """Fires every TICK seconds per AdaFlashService: children, distillation, one rollout step."""
+    st = dict(status)
+    result = await _reconcile(body, st, patch, logger)
+    if result is None:
+        return
+    s, fleet, infos = result
+    owner = _owner(body)
+    conds = patch.status.get("conditions") or st.get("conditions") or []
+    conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
+    conds = await _rollout(owner, body, s, fleet, infos, st, patch, conds, logger)
+    patch.status["conditions"] = conds
+
+
+def _counts(infos: list[rollout.PodInfo]) -> dict[str, int]:
+    return {p.name: p.records for p in infos}
+
+
+async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet: str,
+                        infos: list, st: dict, patch: kopf.Patch, conds: list,
+                        logger: logging.Logger) -> list:
+    ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
+    gen = body["metadata"].get("generation")
+    now = _now()
+    d = dict(st.get("distillation") or {})
+    new: dict[str, Any] = {}
+    active = d.get("activeJob")
+    counts = _counts(infos)
+    failures = int(d.get("consecutiveFailures") or 0)
+    if active:
+        job = await kube.get("Job", ns, active)
+        outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
+            else distill.job_outcome(job)
+        if outcome == "running":
+            return conds
+        report_err = ""
+        pods = await kube.list_("Pod", ns, {"adaflash.io/distill-job": active})
+        if outcome == "succeeded":
+            msgs = [m for m in (distill.termination_message(p, c.DISTILL_CONTAINER)
+                                for p in pods) if m]
+            try:
+                report = distill.parse_report(msgs[-1] if msgs else None)
+                dv = manifests.drafter_version(owner, report, active)
+                try:
+                    await kube.create(dv)
+                except kube.ApiError as e:
+                    if e.status != 409:
+                        raise
+                await _set_drafter_phase(dv, "Candidate", "Published",
+                                         f"published by Job {active}", {}, logger)
+                msg = f"Job {active} published {report['version']}"
+                kopf.info(body, reason="Published", message=msg)
+                metrics.DISTILL_JOBS.labels("succeeded").inc()
+                new.update(activeJob=None, consecutiveFailures=0, lastSuccessAt=_ts(now),
+                           retryAfter=None, lastError=None)
+                conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
+                                      _ts(now), gen)
+            except distill.ReportError as e:
+                outcome, report_err = "failed", str(e)
+        if outcome == "failed":
+            failures += 1
+            why = report_err or detail
+            pod_detail = "; ".join(x for x in (distill.failure_detail(p, c.DISTILL_CONTAINER)
+                                               for p in pods) if x)
+            if pod_detail and not report_err:
+                why = f"{why} ({pod_detail})"
+            delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
+                                            s.distillation.max_backoff_seconds)
+            retry = now + dt.timedelta(seconds=delay)
+            msg = (f"Job {active} failed ({failures} in a row): {why}; retrying after "
+                   f"{_ts(retry)}")
+            kopf.warn(body, reason="DistillationFailed", message=msg)
+            metrics.DISTILL_JOBS.labels("failed").inc()
+            new.update(activeJob=None, consecutiveFailures=failures, retryAfter=_ts(retry),
+                       lastError=why[:1000])
+            conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
+                                  _ts(now), gen)
+        metrics.DISTILL_FAILURES.labels(ns, name).set(failures if outcome == "failed" else 0)
+    else:
+        baseline = {k: int(v) for k, v in (d.get("recordsAtLastRound") or {}).items()}
+        n_new = distill.new_records(counts, baseline)
+        new["newRecords"] = n_new
+        last = rollout.parse_ts(d.get("lastRoundAt")) or rollout.parse_ts(
+            body["metadata"].get("creationTimestamp"))
+        trig = distill.should_start(s.distillation, active_job=None, new=n_new,
+                                    last_round_at=last, retrying=failures > 0,
+                                    retry_after=rollout.parse_ts(d.get("retryAfter")), now=now)
+        if trig.start:
+            retry = failures > 0
+            round_ = int(d.get("round") or 0) + (0 if retry else 1)
+            round_ = max(round_, 1)
+            jb = manifests.job(owner, s, round_, failures + 1, fleet)
+            jname = jb["metadata"]["name"]
+            try:
+                await kube.create(jb)
+            except kube.ApiError as e:
+                if e.status != 409:
+                    raise
+            msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
+                   f"{fleet})")
+            kopf.info(body, reason="DistillationStarted", message=msg)
+            metrics.DISTILL_JOBS.labels("started").inc()
+            new.update(activeJob=jname, round=round_, lastRoundAt=_ts(now))
+            if not retry:
+                new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"), counts)
+                new["newRecords"] = 0
+    if new:
+        patch.status["distillation"] = new
+    active_now = new.get("activeJob", active) if "activeJob" in new else active
+    if active_now:
+        conds = set_condition(conds, "Progressing", True, "Distilling",
+                              f"Job {active_now} is running", _ts(now), gen)
+    return conds
+
+
+async def _set_drafter_phase(dv: dict, phase: str, reason: str, message: str, fields: dict,
+                             logger: logging.Logger) -> None:
+    meta = dv["metadata"]
+    live = await kube.get(c.DRAFTER_KIND, meta["namespace"], meta["name"])
+    if live is None:
+        return
+    cur = live.get("status") or {}
+    if cur.get("phase") == phase and cur.get("reason") == reason:
+        return
+    history = list(cur.get("history") or [])[-19:]
+    history.append({"phase": phase, "reason": reason, "time": _ts(_now())})
+    body = {"status": {"phase": phase, "reason": reason, "message": message,
+                       "history": history, **fields}}
+    await kube.patch(c.DRAFTER_KIND, meta["namespace"], meta["name"], body, sub="status")
+    metrics.ROLLOUT_TRANSITIONS.labels(phase).inc()
+    try:
+        kopf.event(live, type="Warning" if phase in ("Rejected", "RolledBack") else "Normal",
+                   reason=phase, message=message)
+    except Exception as e:  # events are best effort
+        logger.debug(f"event for {meta['name']} not posted: {e}")
+
+
+def _candidate(dv: dict) -> rollout.Candidate:
+    sp = dv.get("spec") or {}
+    ev = sp.get("eval") or {}
+    return rollout.Candidate(version=sp["version"], parent=sp.get("parent") or "",
+                             eval_tau=dict(ev.get("tau") or {}),
+                             parent_tau=dict(ev.get("parentTau") or {}))
+
+
+async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet: str,
+                   infos: list, st: dict, patch: kopf.Patch, conds: list,
+                   logger: logging.Logger) -> list:
+    ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
+    gen = body["metadata"].get("generation")
+    now = _now()
+    dvs = [x for x in await kube.list_(c.DRAFTER_KIND, ns, {c.LABEL_SERVICE: name})
+           if (x.get("spec") or {}).get("service") == name]
+    by_version = {x["spec"]["version"]: x for x in dvs}
+    candidates = [_candidate(x) for x in dvs
+                  if (x.get("status") or {}).get("phase") in (None, "Candidate")]
+    serving_dv = by_version.get(fleet)
+    serving_eval = ((serving_dv or {}).get("spec") or {}).get("eval", {}).get("tau")
+    old_state = st.get("rollout") or {}
+    d = rollout.step(cfg=s.rollout, pinned=s.pinned_version, serving=fleet, state=old_state,
+                     candidates=candidates, pods=infos, now=now, serving_eval=serving_eval)
+    # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).
+    if d.serving != fleet:
+        await kube.patch("ConfigMap", ns, manifests.configmap_name(name),
+                         {"data": {c.FLEET_VERSION_KEY: d.serving}})
+        patch.status["servingVersion"] = d.serving
+        metrics.set_serving(ns, name, d.serving)
+    for pod, version in sorted(d.annotate.items()):
+        try:
+            await kube.patch("Pod", ns, pod,
+                             {"metadata": {"annotations": {c.DESIRED_VERSION: version}}})
+        except kube.ApiError as e:
+            if e.status != 404:
+                raise
+    for version, ch in d.phases.items():
+        dv = by_version.get(version)
+        if dv is not None:
+            await _set_drafter_phase(dv, ch.phase, ch.reason, ch.message, ch.fields, logger)
+    for type_, reason, message in d.events:
+        kopf.event(body, type=type_, reason=reason, message=message)
+    if d.state != old_state:
+        patch.status["rollout"] = replace_patch(old_state, d.state)
+    phase = d.state.get("phase")
+    active = phase in rollout.ACTIVE
+    patch.status["candidateVersion"] = d.state.get("version") if active else None
+    versions = sorted(set(by_version) | {d.serving})
+    patch.status["latestVersion"] = versions[-1] if versions else None
+    t = _ts(now)
+    if active:
+        conds = set_condition(conds, "Progressing", True, f"Rollout{phase}",
+                              d.state.get("message", ""), t, gen)
+    elif not st.get("distillation", {}).get("activeJob") and \
+            not (patch.status.get("distillation") or {}).get("activeJob"):
+        conds = set_condition(conds, "Progressing", False, "Idle",
+                              f"serving {d.serving}; no rollout in flight", t, gen)
+    if phase == "RolledBack":
+        conds = set_condition(conds, "Degraded", True, d.state.get("reason", phase),
+                              f"last rollout: {d.state.get('message', '')}", t, gen)
+    else:
+        conds = set_condition(conds, "Degraded", False, "Healthy",
+                              d.state.get("message") or "no failed rollout", t, gen)
+    metrics.ROLLOUT_ACTIVE.labels(ns, name).set(1 if active else 0)
+    started = rollout.parse_ts(d.state.get("startedAt"))
+    if active and started:
+        metrics.ROLLOUT_STARTED.labels(ns, name).set(started.timestamp())
+    return conds
+
+
+@kopf.on.delete(**SERVICE, optional=True)
+def forget(name: str, namespace: str, **_: Any) -> None:
+    """Fires when an AdaFlashService is deleted; the garbage collector removes its children."""
+    metrics.forget(namespace, name)

@@ -1,0 +1,351 @@
+"""Pure builders of every object the operator owns. No I/O: tests call them directly.
+
+Names, for an AdaFlashService `NAME`:
+    NAME-home          PersistentVolumeClaim (unless spec.storage.existingClaim)
+    NAME-drafter       ConfigMap with the fleet's drafter version
+    NAME-serving       ServiceAccount, Role and RoleBinding of the serving pods
+    NAME               Deployment and Service
+    NAME-distill-R-A   Job of distillation round R, attempt A
+    NAME-vNNNNNN       DrafterVersion
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import contract as c
+from .spec import ServiceSpec
+
+Manifest = dict[str, Any]
+
+
+def owner_reference(owner: Manifest) -> Manifest:
+    """Controller reference to `owner`: the garbage collector deletes the child with it."""
+    meta = owner["metadata"]
+    return {
+        "apiVersion": owner.get("apiVersion", c.API_VERSION),
+        "kind": owner.get("kind", c.SERVICE_KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        c.LABEL_SERVICE: name,
+        c.LABEL_COMPONENT: component,
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+        "app.kubernetes.io/name": "adaflash",
+        "app.kubernetes.io/instance": name,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    """Labels that select exactly the serving pods of `name` (immutable in a Deployment)."""
+    return {c.LABEL_SERVICE: name, c.LABEL_COMPONENT: "serving"}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
+def _meta(name: str, namespace: str, component: str, owner: Manifest | None) -> Manifest:
+    meta: Manifest = {"name": name, "namespace": namespace, "labels": labels(
+        owner["metadata"]["name"] if owner else name, component)}
+    if owner is not None:
+        meta["ownerReferences"] = [owner_reference(owner)]
+    return meta
+
+
+def claim_name(name: str, spec: ServiceSpec) -> str:
+    return spec.existing_claim or f"{name}-home"
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-drafter"
+
+
+def serving_account_name(name: str) -> str:
+    return f"{name}-serving"
+
+
+def job_name(name: str, round_: int, attempt: int) -> str:
+    return f"{name}-distill-{round_}-{attempt}"
+
+
+def drafter_name(name: str, version: str) -> str:
+    return f"{name}-{version}"
+
+
+# Security context shared by every container we run: non-root, read-only root, nothing extra.
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def pvc(owner: Manifest, spec: ServiceSpec) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    body: Manifest = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(claim_name(name, spec), ns, "storage", owner),
+        "spec": {
+            "accessModes": [spec.access_mode],
+            "resources": {"requests": {"storage": spec.storage_size}},
+        },
+    }
+    if spec.storage_class:
+        body["spec"]["storageClassName"] = spec.storage_class
+    return body
+
+
+def configmap(owner: Manifest, version: str) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(configmap_name(name), ns, "serving", owner),
+        "data": {c.FLEET_VERSION_KEY: version},
+    }
+
+
+def service_account(owner: Manifest) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(serving_account_name(name), ns, "serving", owner),
+        "automountServiceAccountToken": True,
+    }
+
+
+def role(owner: Manifest) -> Manifest:
+    """Serving pods annotate themselves (loaded version, tau, errors, traffic count).
+
+    RBAC cannot name pods that do not exist yet (Deployment pods have generated names), so this
+    grants get/patch on pods of this namespace only, and nothing else: no list, no delete, no
+    other resources. The reload agent patches only its own pod (ADAFLASH_POD_NAME).
+    """
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(serving_account_name(name), ns, "serving", owner),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}],
+    }
+
+
+def role_binding(owner: Manifest) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    sa = serving_account_name(name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(sa, ns, "serving", owner),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+    }
+
+
+def _resources(base: dict, gpus: int) -> dict:
+    out = {k: dict(v) for k, v in base.items() if k in ("requests", "limits")}
+    if gpus:
+        out.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    return out
+
+
+def server_args(spec: ServiceSpec) -> list[str]:
+    """Arguments of `python -m sglang.launch_server` for a serving pod."""
+    args = [
+        "--model-path", spec.target,
+        "--speculative-algorithm", "ADAFLASH",
+        "--speculative-draft-model-path", f"{c.DRAFTERS_DIR}/{spec.initial_version}",
+        "--speculative-num-draft-tokens", str(spec.block_size),
+        "--host", "0.0.0.0",
+        "--port", str(spec.port),
+        "--enable-metrics",
+    ]
+    if spec.gpus > 1:
+        args += ["--tp-size", str(spec.gpus)]
+    if spec.served_model_name:
+        args += ["--served-model-name", spec.served_model_name]
+    if spec.log_traffic:
+        # SGLang's own request log (DESIGN.md "Traffic record"); $(VAR) is expanded by the kubelet.
+        args += ["--log-requests", "--log-requests-level", "3",
+                 "--log-requests-format", "json",
+                 "--log-requests-target", f"{c.HOME}/traffic/$({c.ENV_POD_NAME})"]
+    return args + list(spec.extra_args)
+
+
+def _env(spec_env: list) -> list[Manifest]:
+    return [
+        {"name": c.ENV_HOME, "value": c.HOME},
+        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": c.ENV_POD_NAMESPACE,
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": c.ENV_FLEET_VERSION_FILE, "value": c.FLEET_VERSION_FILE},
+        {"name": c.ENV_POD_ANNOTATIONS_FILE, "value": c.POD_ANNOTATIONS_FILE},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{c.HOME}/hf-cache"},
+        {"name": "SGLANG_PLUGINS", "value": "adaflash"},
+    ] + list(spec_env)
+
+
+def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    pod_labels = {**labels(name, "serving"), **selector(name)}
+    container: Manifest = {
+        "name": c.SERVING_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["python", "-m", "sglang.launch_server"],
+        "args": server_args(spec),
+        "env": _env(spec.env),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "resources": _resources(spec.resources, spec.gpus),
+        "startupProbe": {**probe, "periodSeconds": 10,
+                         "failureThreshold": max(1, spec.startup_seconds // 10)},
+        "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3,
+                          "timeoutSeconds": 10},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [
+            {"name": "home", "mountPath": c.HOME},
+            {"name": "fleet", "mountPath": f"{c.CONTROL_DIR}/fleet", "readOnly": True},
+            {"name": "podinfo", "mountPath": f"{c.CONTROL_DIR}/pod", "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod_spec: Manifest = {
+        "serviceAccountName": serving_account_name(name),
+        "securityContext": POD_SECURITY,
+        "containers": [container],
+        "volumes": [
+            {"name": "home", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
+            {"name": "fleet", "configMap": {"name": configmap_name(name)}},
+            {"name": "podinfo", "downwardAPI": {"items": [
+                {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+            ]}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        ],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = list(spec.tolerations)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, ns, "serving", owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector(name)},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def service(owner: Manifest, spec: ServiceSpec) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, ns, "serving", owner),
+        "spec": {
+            "selector": selector(name),
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def distill_args(spec: ServiceSpec, parent: str) -> list[str]:
+    """Arguments of `python -m training_job.distill` (the training job's CLI contract)."""
+    return [
+        "--home", c.HOME,
+        "--target", spec.target,
+        "--parent", parent,
+        "--min-records", str(spec.distillation.min_new_records),
+        "--report", c.TERMINATION_LOG,
+    ] + list(spec.distillation.extra_args)
+
+
+def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str) -> Manifest:
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    jname = job_name(name, round_, attempt)
+    d = spec.distillation
+    pod_labels = {**labels(name, "distill"), c.LABEL_ROUND: str(round_),
+                  "adaflash.io/distill-job": jname}
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "securityContext": POD_SECURITY,
+        "containers": [{
+            "name": c.DISTILL_CONTAINER,
+            "image": d.image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "command": ["python", "-m", "training_job.distill"],
+            "args": distill_args(spec, parent),
+            "env": [{"name": c.ENV_HOME, "value": c.HOME}, {"name": "HOME", "value": "/tmp"},
+                    {"name": "HF_HOME", "value": f"{c.HOME}/hf-cache"}],
+            "resources": _resources(d.resources, d.gpus),
+            "terminationMessagePath": c.TERMINATION_LOG,
+            "terminationMessagePolicy": "File",
+            "securityContext": CONTAINER_SECURITY,
+            "volumeMounts": [{"name": "home", "mountPath": c.HOME},
+                             {"name": "tmp", "mountPath": "/tmp"},
+                             {"name": "shm", "mountPath": "/dev/shm"}],
+        }],
+        "volumes": [
+            {"name": "home", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        ],
+    }
+    if d.node_selector:
+        pod_spec["nodeSelector"] = dict(d.node_selector)
+    if d.tolerations:
+        pod_spec["tolerations"] = list(d.tolerations)
+    meta = _meta(jname, ns, "distill", owner)
+    meta["labels"][c.LABEL_ROUND] = str(round_)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            # The operator retries with its own backoff and records every failure in status.
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": d.active_deadline_seconds,
+            "ttlSecondsAfterFinished": 7 * 24 * 3600,
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def drafter_version(owner: Manifest, report: Manifest, job_name_: str) -> Manifest:
+    """A DrafterVersion from a Job report (see distill.parse_report)."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    spec: Manifest = {"service": name, "version": report["version"], "jobName": job_name_}
+    for key in ("parent", "created", "target", "training", "eval"):
+        if report.get(key) not in (None, "", {}):
+            spec[key] = report[key]
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.DRAFTER_KIND,
+        "metadata": _meta(drafter_name(name, report["version"]), ns, "drafter", owner),
+        "spec": spec,
+    }

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the operator (served on --metrics-port, default 8080).
+
+PromQL used by the chart's alerts:
+    stuck rollout:   adaflash_operator_rollout_active == 1 and
+                     time() - adaflash_operator_rollout_started_timestamp_seconds > 3600
+    acceptance drop: adaflash_operator_live_tau < 0.8 * max_over_time(adaflash_operator_live_tau[1d])
+    distillation:    adaflash_operator_distill_consecutive_failures >= 3
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, start_http_server
+
+RECONCILES = Counter("adaflash_operator_reconciles_total",
+                     "Reconciliations of AdaFlashService children", ["result"])
+ROLLOUT_TRANSITIONS = Counter("adaflash_operator_rollout_transitions_total",
+                              "Drafter rollout transitions by phase entered", ["phase"])
+DISTILL_JOBS = Counter("adaflash_operator_distill_jobs_total",
+                       "Distillation Jobs by outcome (started, succeeded, failed)", ["result"])
+SERVING_VERSION = Gauge("adaflash_operator_serving_version_info",
+                        "Drafter version the fleet serves (value 1)",
+                        ["namespace", "service", "version"])
+LIVE_TAU = Gauge("adaflash_operator_live_tau", "Mean live acceptance length of the fleet",
+                 ["namespace", "service"])
+ROLLOUT_ACTIVE = Gauge("adaflash_operator_rollout_active", "1 while a rollout is in flight",
+                       ["namespace", "service"])
+ROLLOUT_STARTED = Gauge("adaflash_operator_rollout_started_timestamp_seconds",
+                        "Start of the rollout in flight", ["namespace", "service"])
+DISTILL_FAILURES = Gauge("adaflash_operator_distill_consecutive_failures",
+                         "Failed distillation Jobs since the last success",
+                         ["namespace", "service"])
+
+
+def serve(port: int) -> None:
+    start_http_server(port)
+
+
+def set_serving(namespace: str, service: str, version: str) -> None:
+    for labels in list(SERVING_VERSION._metrics):  # one series per service
+        if labels[:2] == (namespace, service) and labels[2] != version:
+            SERVING_VERSION.remove(*labels)
+    SERVING_VERSION.labels(namespace, service, version).set(1)
+
+
+def forget(namespace: str, service: str) -> None:
+    for gauge in (LIVE_TAU, ROLLOUT_ACTIVE, ROLLOUT_STARTED, DISTILL_FAILURES):
+        try:
+            gauge.remove(namespace, service)
+        except KeyError:
+            pass
+    for labels in list(SERVING_VERSION._metrics):
+        if labels[:2] == (namespace, service):
+            SERVING_VERSION.remove(*labels)

@@ -1,0 +1,121 @@
+"""Test harness: an in-memory cluster (kmock) that the operator reaches over real HTTP and
+watch streams, a small synchronous client for the tests, and polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from adaflash_operator import contract as c  # noqa: E402
+from adaflash_operator import kube  # noqa: E402
+
+kmock = pytest.importorskip("kmock", reason="pip install -e .[dev] brings kmock")
+logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
+
+
+class Cluster:
+    """kmock's Kubernetes emulator on a real TCP port, in its own thread and event loop.
+
+    kmock stores objects and streams watch events but runs no controllers, no admission and no
+    garbage collector: tests play the kubelet, the Job controller and the GC through the API.
+    """
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("kmock did not start")
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        emulator = kmock.KubernetesEmulator()
+        emulator.resources.load_bundled()
+        emulator.resources[f"{c.API_VERSION}/{c.SERVICE_PLURAL}"] = kmock.ResourceInfo(
+            kind=c.SERVICE_KIND, singular="adaflashservice", namespaced=True,
+            shortnames={"afs"}, subresources={"status", "scale"},
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
+        emulator.resources[f"{c.API_VERSION}/{c.DRAFTER_PLURAL}"] = kmock.ResourceInfo(
+            kind=c.DRAFTER_KIND, singular="drafterversion", namespaced=True,
+            shortnames={"dv"}, subresources={"status"},
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    # --- a tiny synchronous client, as kubectl would be ---------------------------------------
+
+    def request(self, method: str, url: str, body: Any = None,
+                ctype: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + url, data=data, method=method,
+                                     headers={"Content-Type": ctype})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                text = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404 and method == "GET":
+                return None
+            raise AssertionError(f"{method} {url}: {e.code} {e.read()[:300]!r}") from e
+        return json.loads(text) if text else None
+
+    def get(self, kind: str, ns: str, name: str) -> dict | None:
+        return self.request("GET", kube.path(kind, ns, name))
+
+    def list(self, kind: str, ns: str, **labels: str) -> list[dict]:
+        items = (self.request("GET", kube.path(kind, ns)) or {}).get("items") or []
+        return [i for i in items if all(
+            (i["metadata"].get("labels") or {}).get(k.replace("__", "/").replace("_", "-")) == v
+            for k, v in labels.items())]
+
+    def create(self, body: dict) -> dict:
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        meta.setdefault("generation", 1)
+        return self.request("POST", kube.path(body["kind"], meta["namespace"]), body)
+
+    def patch(self, kind: str, ns: str, name: str, body: dict, sub: str | None = None) -> dict:
+        return self.request("PATCH", kube.path(kind, ns, name, sub), body,
+                            "application/merge-patch+json")
+
+    def delete(self, kind: str, ns: str, name: str) -> None:
+        self.request("DELETE", kube.path(kind, ns, name))
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 15.0, every: float = 0.05) -> Any:
+    """Poll `fn` until it returns a truthy value; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (KeyError, TypeError, IndexError) as e:  # object not there yet
+            last = e
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")

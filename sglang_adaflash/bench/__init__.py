@@ -1,0 +1,1 @@
+"""Benchmarks of the reference engine against Hugging Face generate(): `adaflash bench`."""

@@ -1,0 +1,401 @@
+"""`adaflash bench` and `adaflash demo`: throughput and speculation statistics per mode.
+
+For every concurrency c the benchmark serves n = max(c, num_prompts) requests (prompts cycled)
+with max_batch_size = c, in every mode:
+
+    hf        Hugging Face generate(), greedy, static batches of c left-padded requests
+    ar        the reference engine, plain decoding (verify length 1), continuous batching
+    dflash    the engine verifying the drafter's whole block
+    adaflash  the engine with the length head and the load-aware verify-length rule
+
+Throughput = generated tokens / wall seconds of the whole run (prefill included). Runs are
+interleaved (each repeat visits every mode, in a rotated order) so slow drifts of a shared
+machine hit all modes alike; the median over repeats is reported. At T=0 every speculative
+mode must reproduce ar's tokens exactly: the benchmark checks it and reports any mismatch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cli.generate import make_engine, quiet_transformers
+from ..cli.loading import LoadedPair, load_pair
+from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
+from ..engine.engine import EngineStats
+from ..engine.request import Request
+from ..engine.sampling import SamplingParams
+from .hf_baseline import run_hf
+from .metrics import aggregate, first_difference
+from .plot import plot_results
+
+RESULTS_NAME = "results.json"
+PLOT_NAME = "bench.png"
+ENGINE_MODES = ("ar", "dflash", "adaflash")
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    drafter: str | None
+    prompts: list[str]
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    modes: list[str] = field(default_factory=lambda: ["hf", "ar", "dflash", "adaflash"])
+    max_new_tokens: int = 64
+    mixed_lengths: bool = False
+    num_prompts: int | None = None
+    repeats: int = 1
+    seed: int = 0
+    dtype: str | None = None
+    device: str = "cpu"
+    ignore_eos: bool = False
+    use_chat_template: bool = True
+    label: str | None = None
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # tokenized, usable prompts
+    domains: list[str | None]
+    lengths: list[int]  # max_new_tokens of request i (cycled with the prompts)
+    skipped: list[str]  # errors of unusable prompt lines
+
+    def requests(self, n: int, stop_ids: tuple[int, ...]) -> list[Request]:
+        out = []
+        for i in range(n):
+            j = i % len(self.prompts)
+            sp = SamplingParams(max_new_tokens=self.lengths[i], stop_token_ids=stop_ids)
+            out.append(Request(list(self.prompts[j]), sp, request_id=f"b{i}", domain=self.domains[j]))
+        return out
+
+
+def build_workload(specs: list[PromptSpec], pair: LoadedPair, cfg: BenchConfig, max_requests: int) -> Workload:
+    """Tokenize the usable prompts (the others are listed in .skipped) and fix every request's length."""
+    prompts, domains, skipped = [], [], []
+    vocab = pair.target.vocab_size
+    for spec in specs:
+        try:
+            ids = resolve_prompt_ids(spec, pair.tokenizer, cfg.use_chat_template)
+        except ValueError as e:
+            skipped.append(str(e))
+            continue
+        if not ids or not all(0 <= t < vocab for t in ids):
+            skipped.append(f"{spec.where or spec.id}: prompt is empty or holds ids outside the vocabulary [0, {vocab})")
+            continue
+        prompts.append(ids)
+        domains.append(spec.domain)
+    if not prompts:
+        raise CLIError("no usable prompt in the prompt file(s): " + (skipped[0] if skipped else "all lines were empty"))
+    if cfg.num_prompts is not None:
+        idx = [i % len(prompts) for i in range(cfg.num_prompts)]
+        prompts, domains = [prompts[i] for i in idx], [domains[i] for i in idx]
+    max_requests = max(max_requests, len(prompts))
+    if cfg.mixed_lengths:
+        rng = random.Random(cfg.seed)
+        lo = max(1, cfg.max_new_tokens // 8)
+        lengths = [rng.randint(lo, cfg.max_new_tokens) for _ in range(max_requests)]
+    else:
+        lengths = [cfg.max_new_tokens] * max_requests
+    return Workload(prompts, domains, lengths, skipped)
+
+
+def _environment(device: str) -> dict:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None,
+    }
+
+
+def _num_params(module) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
+    t = pair.target
+    out = {
+        "target": {
+            "path": str(cfg.target),
+            "layers": t.num_layers,
+            "hidden_size": t.hidden_size,
+            "vocab_size": t.vocab_size,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "params": _num_params(t.model),
+        }
+    }
+    if pair.drafter is not None:
+        d = pair.drafter.config
+        out["drafter"] = {
+            "path": str(cfg.drafter),
+            "layers": d.num_hidden_layers,
+            "block_size": d.block_size,
+            "target_layer_ids": list(d.target_layer_ids),
+            "length_head": pair.drafter.length_head is not None,
+            "params": _num_params(pair.drafter),
+        }
+    return out
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Temp file next to the target, fsync, rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _warm_up(engine, workload: Workload, stop_ids) -> None:
+    """One short run so lazy work (allocator growth, adaflash's cost profile) is not timed."""
+    reqs = workload.requests(min(2, engine.max_batch_size), stop_ids)
+    for r in reqs:
+        r.sampling = SamplingParams(max_new_tokens=min(4, r.sampling.max_new_tokens), stop_token_ids=stop_ids)
+        r.request_id = "warm-" + r.request_id
+    engine.run(reqs)
+    engine.stats = EngineStats()
+
+
+def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, progress: bool = True, log=print) -> dict:
+    """Run every (mode, concurrency) and return the results document (not yet written)."""
+    from tqdm import tqdm
+
+    if any(m != "hf" for m in cfg.modes) and "ar" not in cfg.modes:
+        log("note: mode 'ar' is not in --modes, so the T=0 equality check has no reference")
+    if any(m in ("dflash", "adaflash") for m in cfg.modes) and pair.drafter is None:
+        raise CLIError("modes dflash and adaflash need --drafter DIR")
+    if "adaflash" in cfg.modes and pair.drafter.length_head is None:
+        raise CLIError("mode adaflash needs a drafter with a length head (dflash_config.use_thresh_head_two_model); drop it from --modes")
+    workload = build_workload(specs, pair, cfg, max(cfg.concurrency))
+    for msg in workload.skipped:
+        log(f"warning: skipped prompt: {msg}")
+    counts = {c: max(c, len(workload.prompts)) for c in cfg.concurrency}
+    stop_ids = () if cfg.ignore_eos else pair.stop_token_ids
+    block = pair.drafter.config.block_size if pair.drafter is not None else 1
+    max_seq = max(len(p) for p in workload.prompts) + cfg.max_new_tokens
+    total = sum(counts[c] * len(cfg.modes) * cfg.repeats for c in cfg.concurrency)
+    bar = tqdm(total=total, desc="bench", unit="req", disable=not progress, file=sys.stderr)
+
+    runs, results, mismatches, hf_agreement = [], [], [], {}
+    for c in cfg.concurrency:
+        n = counts[c]
+        engines = {m: make_engine(pair, m, c, max_seq, cfg.seed) for m in cfg.modes if m != "hf"}
+        for m, e in engines.items():
+            bar.set_postfix_str(f"c={c} warm-up {m}")
+            _warm_up(e, workload, stop_ids)
+        if "hf" in cfg.modes:
+            run_hf(pair.target.model, workload.prompts[:1], [2], 1, pair.pad_token_id, stop_ids)
+        first: dict[str, list[list[int]]] = {}
+        stats: dict[str, dict] = {}
+        samples: dict[str, list[float]] = {m: [] for m in cfg.modes}
+        walls: dict[str, list[float]] = {m: [] for m in cfg.modes}
+        hf_decoded = None
+        for rep in range(cfg.repeats):
+            order = cfg.modes[rep % len(cfg.modes):] + cfg.modes[: rep % len(cfg.modes)]
+            for mode in order:
+                bar.set_postfix_str(f"c={c} {mode} #{rep + 1}")
+                reqs = workload.requests(n, stop_ids)
+                if mode == "hf":
+                    hf = run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs],
+                                c, pair.pad_token_id, stop_ids, progress=bar)
+                    wall, outs_ids, hf_decoded = hf.wall_s, hf.outputs, hf.decoded_tokens
+                    agg = None
+                else:
+                    engine = engines[mode]
+                    engine.stats = EngineStats()
+                    t0 = time.perf_counter()
+                    outs = engine.run(reqs, progress=bar)
+                    wall = time.perf_counter() - t0
+                    failed = [o for o in outs if not o.ok]
+                    if failed:
+                        raise CLIError(f"{len(failed)} benchmark request(s) failed in mode {mode}, e.g. {failed[0].error}")
+                    outs_ids = [o.output_ids for o in outs]
+                    agg = aggregate(outs, block)
+                    agg["mean_batch_size"] = statistics.fmean(engine.stats.batch_sizes) if engine.stats.batch_sizes else 0.0
+                    agg["draft_s"] = engine.stats.draft_seconds
+                    agg["verify_s"] = engine.stats.verify_seconds
+                    agg["prefill_s"] = engine.stats.prefill_seconds
+                tokens = sum(len(o) for o in outs_ids)
+                runs.append({"mode": mode, "concurrency": c, "repeat": rep, "requests": n,
+                             "generated_tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall})
+                samples[mode].append(tokens / wall)
+                walls[mode].append(wall)
+                if rep == 0:
+                    first[mode] = outs_ids
+                    stats[mode] = agg or {"requests": n, "generated_tokens": tokens}
+        for mode in cfg.modes:
+            row = {"mode": mode, "concurrency": c, "max_batch_size": c, **stats[mode]}
+            row["throughput_tok_s"] = statistics.median(samples[mode])
+            row["throughput_samples"] = samples[mode]
+            row["wall_s"] = statistics.median(walls[mode])
+            if mode == "hf":
+                row.update(steps=0, accepted_by_position=[0] * max(block - 1, 0), decoded_tokens_incl_padding=hf_decoded,
+                           padding_waste=1 - stats[mode]["generated_tokens"] / hf_decoded if hf_decoded else None)
+            results.append(row)
+        for row in results:
+            if row["concurrency"] != c:
+                continue
+            for ref in ("hf", "ar"):
+                ref_row = next((r for r in results if r["concurrency"] == c and r["mode"] == ref), None)
+                row[f"speedup_vs_{ref}"] = row["throughput_tok_s"] / ref_row["throughput_tok_s"] if ref_row else None
+        if "ar" in first:
+            for mode in ("dflash", "adaflash"):
+                if mode not in first:
+                    continue
+                for i, (a, b) in enumerate(zip(first["ar"], first[mode])):
+                    pos = first_difference(a, b)
+                    if pos is not None:
+                        mismatches.append({"mode": mode, "concurrency": c, "request": i, "first_diff": pos,
+                                           "ar_len": len(a), "mode_len": len(b)})
+            if "hf" in first:
+                same = sum(a == b for a, b in zip(first["ar"], first["hf"]))
+                hf_agreement[str(c)] = same / len(first["ar"])
+        del engines
+    bar.close()
+    equality = {
+        "reference": "ar" if "ar" in cfg.modes else None,
+        "checked_modes": [m for m in ("dflash", "adaflash") if m in cfg.modes] if "ar" in cfg.modes else [],
+        "ok": not mismatches,
+        "mismatches": mismatches,
+        # HF's batched kernels round differently from the engine's ragged ones, so near-tied argmaxes
+        # may flip: informational, not part of the check.
+        "hf_exact_agreement": hf_agreement,
+    }
+    return {
+        "format": "adaflash.bench/v1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["adaflash"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("adaflash") else None,
+        "config": {**asdict(cfg), "requests_per_concurrency": {str(c): counts[c] for c in cfg.concurrency},
+                   "temperature": 0.0, "stop_token_ids": list(stop_ids)},
+        "environment": _environment(cfg.device),
+        "models": _models(pair, cfg),
+        "workload": {"prompts": len(workload.prompts), "skipped": workload.skipped,
+                     "prompt_tokens_mean": statistics.fmean(len(p) for p in workload.prompts),
+                     "max_new_tokens_mean": statistics.fmean(workload.lengths)},
+        "results": results,
+        "runs": runs,
+        "equality": equality,
+    }
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(doc: dict) -> str:
+    head = f"{'conc':>5} {'mode':>9} {'reqs':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'vs hf':>6} {'vs ar':>6} {'tau':>5} {'verify eff':>10} {'mean L':>6} {'batch':>6}"
+    lines = [head, "-" * len(head)]
+    for r in doc["results"]:
+        lines.append(
+            f"{r['concurrency']:>5} {r['mode']:>9} {r['requests']:>5} {r['generated_tokens']:>7} {r['wall_s']:>8.2f} "
+            f"{r['throughput_tok_s']:>9.1f} {_fmt(r.get('speedup_vs_hf'), '.2f'):>6} {_fmt(r.get('speedup_vs_ar'), '.2f'):>6} "
+            f"{_fmt(r.get('tau'), '.2f'):>5} {_fmt(r.get('verify_efficiency'), '.3f'):>10} {_fmt(r.get('mean_verify_len'), '.2f'):>6} "
+            f"{_fmt(r.get('mean_batch_size'), '.1f'):>6}"
+        )
+    for r in doc["results"]:
+        lh = r.get("length_head")
+        if lh:
+            lines.append(f"length head @c={r['concurrency']}: predicted ratio {lh['mean_predicted_ratio']:.3f} vs actual tau/B "
+                         f"{lh['mean_actual_ratio']:.3f}, pearson {_fmt(lh['pearson'], '.3f')} over {lh['steps']} steps")
+        if r.get("per_domain") and r["mode"] != "ar":
+            taus = ", ".join(f"{k} {_fmt(v['tau'], '.2f')}" for k, v in r["per_domain"].items())
+            lines.append(f"tau by domain @c={r['concurrency']} {r['mode']}: {taus}")
+    eq = doc["equality"]
+    if eq["reference"] is None:
+        lines.append("T=0 equality: not checked (ar not run)")
+    elif eq["ok"]:
+        lines.append(f"T=0 equality: OK ({', '.join(eq['checked_modes']) or 'no speculative mode'} == ar, token for token)")
+    else:
+        lines.append(f"T=0 equality: FAILED, {len(eq['mismatches'])} request(s) differ from ar")
+    return "\n".join(lines)
+
+
+def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = True, strict: bool = False) -> int:
+    quiet_transformers()
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"cannot create output directory {out}: {e}") from None
+    specs = read_prompts(cfg.prompts)
+    need_drafter = any(m in ("dflash", "adaflash") for m in cfg.modes)
+    pair = load_pair(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, need_drafter=need_drafter)
+    torch.manual_seed(cfg.seed)
+    doc = run_bench(cfg, pair, specs, progress=progress, log=lambda m: print(m, file=sys.stderr))
+    write_json_atomic(out / RESULTS_NAME, doc)
+    plot_results(doc, out / PLOT_NAME)
+    print(format_table(doc))
+    print(f"wrote {out / RESULTS_NAME} and {out / PLOT_NAME}")
+    if not doc["equality"]["ok"]:
+        print("!" * 72, file=sys.stderr)
+        print("MISMATCH: speculative decoding changed the output at T=0 (it must be lossless):", file=sys.stderr)
+        for m in doc["equality"]["mismatches"][:10]:
+            print(f"  {m['mode']} c={m['concurrency']} request {m['request']}: first differs at token {m['first_diff']}", file=sys.stderr)
+        print("!" * 72, file=sys.stderr)
+        return 1 if strict else 0
+    return 0
+
+
+def cmd_bench(args) -> int:
+    cfg = BenchConfig(
+        target=args.target, drafter=args.drafter, prompts=list(args.prompts), concurrency=args.concurrency,
+        modes=args.modes, max_new_tokens=args.max_new_tokens, mixed_lengths=args.mixed_lengths,
+        num_prompts=args.num_prompts, repeats=args.repeats, seed=args.seed, dtype=args.dtype,
+        device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
+    )
+    return bench_and_write(cfg, args.out, progress=not args.quiet, strict=args.strict)
+
+
+# Sizes of the tiny pair `adaflash demo` builds when the embedded pair is missing: the target
+# costs clearly more than the one-layer drafter.
+DEMO_TINY_SPEC = {"target_layers": 8, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 64, "drafter_layers": 1, "block_size": 8,
+                  "length_head_bottleneck_dim": 64}
+
+
+def cmd_demo(args) -> int:
+    from ..assets import MODELS_DIR, WORKLOADS_DIR
+
+    target, drafter = MODELS_DIR / "target", MODELS_DIR / "drafter"
+    workloads = sorted(WORKLOADS_DIR.glob("*.heldout.jsonl")) if WORKLOADS_DIR.is_dir() else []
+    if (target / "config.json").is_file() and (drafter / "config.json").is_file() and workloads:
+        print(f"demo: the embedded pair {MODELS_DIR} on {len(workloads)} held-out workload(s)", file=sys.stderr)
+        cfg = BenchConfig(target=str(target), drafter=str(drafter), prompts=[str(w) for w in workloads],
+                          concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
+                          num_prompts=args.num_prompts, device=args.device, label="embedded pair, held-out workloads")
+    else:
+        from ..testing import build_tiny_pair, write_tiny_workload
+
+        root = Path(args.cache_dir) / "tiny-pair"
+        print(f"demo: the embedded model pair is not there yet ({MODELS_DIR}); building a tiny RANDOM pair in {root} "
+              "instead. Its drafter accepts almost nothing: expect no speculative speedup.", file=sys.stderr)
+        pair = build_tiny_pair(root, seed=0, **DEMO_TINY_SPEC)
+        prompts = write_tiny_workload(root / "workload.jsonl", num_prompts=24, seed=0)
+        cfg = BenchConfig(target=str(pair.target_dir), drafter=str(pair.drafter_dir), prompts=[str(prompts)],
+                          concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
+                          num_prompts=args.num_prompts, device=args.device, ignore_eos=True,
+                          label="tiny random pair (no speculative speedup expected)")
+    return bench_and_write(cfg, args.out, progress=not args.quiet)

@@ -1,0 +1,96 @@
+"""Tiny random model pairs and an oracle proposer for the engine tests (float64: no ties)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from sglang_adaflash.drafter.config import DrafterConfig
+from sglang_adaflash.drafter.model import DFlashDrafter
+from sglang_adaflash.target.hf_target import HFTarget
+
+VOCAB = 96
+MASK_ID = VOCAB - 1
+
+
+def tiny_target(seed=0, vocab=VOCAB, layers=3, dtype=torch.float64) -> HFTarget:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        hidden_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, intermediate_size=96, vocab_size=vocab, max_position_embeddings=512,
+    )
+    return HFTarget(Qwen3ForCausalLM(cfg).to(dtype).eval())
+
+
+def drafter_config(vocab=VOCAB, block_size=8, layers=1, head=True, target_layers=3) -> DrafterConfig:
+    return DrafterConfig.from_dict(dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, vocab_size=vocab, num_target_layers=target_layers,
+        block_size=block_size,
+        dflash_config={"mask_token_id": vocab - 1, "use_thresh_head_two_model": head},
+    ))
+
+
+def tiny_drafter(seed=1, dtype=torch.float64, **kw) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    return DFlashDrafter(drafter_config(**kw)).to(dtype).eval()
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation, corrupted at random slots.
+
+    Gives the engine real multi-token acceptances (which a random drafter never does), so the
+    commit/rollback paths are exercised; the drafter's block states feed the length head.
+    """
+
+    def __init__(self, target: HFTarget, drafter: DFlashDrafter, error_rate=0.25, seed=0):
+        self.target, self.drafter = target, drafter
+        self.block_size = drafter.config.block_size
+        self.error_rate = error_rate
+        self.gen = torch.Generator().manual_seed(seed)
+        self.target_layer_ids = []
+        self._greedy: dict[tuple, list[int]] = {}  # history prefix -> long greedy continuation
+
+    def move(self, src, dst):
+        pass
+
+    def extend_context(self, *a, **k):
+        pass
+
+    def _continuation(self, hist, n):
+        """Greedy tokens after hist, from one cached long generate per prompt."""
+        for seq in self._greedy.values():
+            if len(seq) >= len(hist) + n and seq[: len(hist)] == hist:
+                return seq[len(hist): len(hist) + n]
+        out = self.target.model.generate(
+            torch.tensor([hist]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )[0].tolist()
+        self._greedy[tuple(hist)] = out
+        return out[len(hist): len(hist) + n]
+
+    @torch.inference_mode()
+    def propose(self, last, ctx_lens, histories):
+        b, vocab = self.block_size, self.target.vocab_size
+        rows = []
+        for hist in histories:
+            out = torch.tensor(self._continuation(hist, b - 1))
+            wrong = torch.rand(b - 1, generator=self.gen) < self.error_rate
+            noise = torch.randint(0, vocab, (b - 1,), generator=self.gen)
+            rows.append(torch.where(wrong, noise, out))
+        props = torch.stack(rows)
+        logits = torch.full((len(histories), b - 1, vocab), -10.0, dtype=torch.float64)
+        logits.scatter_(2, props[..., None], 10.0)
+        hidden = torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
+        return hidden, logits
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_drafter()

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import ssl
+import tempfile
 import threading
 import time
 import urllib.request
@@ -827,3 +828,49 @@ class HotReloader:
             threading.Thread(target=run, name="adaflash-report", daemon=True).start()
         else:
             run()
+
+
+# ---------------------------------------------------------------------------------------------
+# Admin endpoint logic (framework-agnostic; the SGLang plugin mounts it on SGLang's HTTP app)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_status(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The status a serving process last reported, or a 'not reported yet' stub."""
+    if path is None:
+        return {"loaded_version": None, "error": f"{ENV_STATUS_FILE} is not set"}
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {"loaded_version": None, "error": "the serving process has not reported yet"}
+    except json.JSONDecodeError as e:  # written atomically, so this means a foreign writer
+        return {"loaded_version": None, "error": f"{path} is not valid JSON: {e}"}
+
+
+def set_override(
+    path: str | os.PathLike, version: str | None, home: str | os.PathLike
+) -> dict[str, Any]:
+    """Ask the watcher for ``version`` (or clear the override with None); validates first."""
+    path = Path(path)
+    if version is None:
+        path.unlink(missing_ok=True)
+        return {"override": None}
+    if version != LATEST_NAME:
+        version_number(version)
+        if not (drafters_dir(home) / version).is_dir():
+            raise ReloadError(
+                f"drafter version {version} is not published under {drafters_dir(home)}; "
+                f"published: {', '.join(sorted(p.name for p in drafters_dir(home).glob('v*'))) or 'none'}"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(version + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return {"override": version}

@@ -1,0 +1,160 @@
+"""From the drafter's block states to the target's verify work, for one decode step.
+
+    draft hidden [bs*B, H] --length head--> ratio [bs]
+        --paper's rule--> candidate lengths [bs]  (cap per request)
+        --load-aware rule (engine.length_policy)--> verify lengths L [bs]
+        --SGLang RaggedVerifyLayout--> packed (compact) verify of sum(L) tokens
+        --SGLang ScatterCompactToStrided--> logits / hidden back to [bs*B] for DFlash's accept
+        --cap_candidates--> acceptance stops at L_i - 1 proposals
+
+Vocabulary as in ``sglang_adaflash.serving.metrics``: the verify (candidate) length ``L`` counts
+block slots the target verifies, slot 0 (the last committed token) included.
+
+Everything here is a function of tensors and lists, so it runs on CPU in tests against SGLang's
+own torch reference implementations; :class:`VerifyPlanner` only holds the head and options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sglang_adaflash.drafter.length_head import AdaptiveLengthHead, candidate_lengths
+from sglang_adaflash.engine.length_policy import StepCostModel, choose_verify_lengths
+
+#: A token id no target can predict: capped slots hold it so greedy acceptance stops there.
+NEVER_ACCEPTED = -1
+
+
+@dataclass
+class VerifyPlan:
+    """The verify lengths of one step; the only thing passed from drafting to verification."""
+
+    block_size: int  # B
+    verify_lens_cpu: list[int]  # [bs] L_i in [1, B], slot 0 included
+    ratio: torch.Tensor | None  # [bs] float, the head's E[tau]/B (None: head not used)
+    reason: str = "head"  # why these lengths: head | uniform (no head output) | sampling
+
+    @property
+    def bs(self) -> int:
+        return len(self.verify_lens_cpu)
+
+    @property
+    def num_verify_tokens(self) -> int:
+        return sum(self.verify_lens_cpu)
+
+    @property
+    def is_uniform(self) -> bool:
+        return all(n == self.block_size for n in self.verify_lens_cpu)
+
+    @classmethod
+    def uniform(cls, bs: int, block_size: int, reason: str) -> VerifyPlan:
+        return cls(block_size, [block_size] * bs, None, reason)
+
+    @classmethod
+    def from_lists(cls, verify_lens: Sequence[int], block_size: int) -> VerifyPlan:
+        """A plan from plain lists (tests, warm-up); checks the bounds."""
+        lens = [int(n) for n in verify_lens]
+        bad = [n for n in lens if not 1 <= n <= block_size]
+        if bad:
+            raise ValueError(f"verify lengths must lie in [1, {block_size}], found {bad}")
+        return cls(block_size, lens, None, "given")
+
+
+def head_ratio(head: AdaptiveLengthHead, draft_hidden: torch.Tensor, bs: int, block_size: int):
+    """The length head on the drafter's final normed block states: [bs*B, H] -> ratio [bs]."""
+    hidden = draft_hidden.reshape(bs, block_size, -1)  # [bs, B, H]
+    with torch.inference_mode():
+        return head(hidden)
+
+
+def plan_verify_lengths(
+    ratio: torch.Tensor,
+    block_size: int,
+    *,
+    rate: float,
+    min_len: int,
+    cost: StepCostModel,
+) -> list[int]:
+    """ratio [bs] -> verify lengths [bs]: the paper's candidate length caps each request, and
+    the load-aware rule of the reference engine cuts further when the batch is large."""
+    ratio = ratio.detach().float().cpu()  # CPU-GPU sync: the host must know the token bucket
+    cap = candidate_lengths(ratio, block_size, rate=rate, min_len=min_len)  # [bs]
+    lens = choose_verify_lengths(ratio, block_size, cost, min_len=min_len, max_len=cap)
+    return [int(n) for n in lens.tolist()]
+
+
+def cap_candidates(candidates: torch.Tensor, verify_lens: torch.Tensor) -> torch.Tensor:
+    """Candidates [bs, B] with slots >= L_i replaced by :data:`NEVER_ACCEPTED` (a copy).
+
+    Greedy acceptance compares proposal k with the target's token at slot k - 1, so proposal
+    L_i is never accepted and the bonus comes from slot <= L_i - 1, which was verified.
+    """
+    bs, block = candidates.shape
+    slots = torch.arange(block, device=candidates.device)[None, :]  # [1, B]
+    keep = slots < verify_lens.to(candidates.device).view(bs, 1)  # [bs, B]
+    return torch.where(keep, candidates, torch.full_like(candidates, NEVER_ACCEPTED))
+
+
+def build_layout(plan: VerifyPlan, *, device, model_runner=None):
+    """SGLang's RaggedVerifyLayout for a plan, rounded up to the captured token buckets."""
+    from sglang.srt.speculative.dspark_components.dspark_planner import verify_layout_grid
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, RaggedVerifyMode
+
+    if model_runner is None:
+        grid = [plan.num_verify_tokens]
+    else:
+        grid = verify_layout_grid(
+            verify_lens_cpu=plan.verify_lens_cpu,
+            ragged_verify_mode=RaggedVerifyMode.COMPACT,
+            model_runner=model_runner,
+        )
+    return RaggedVerifyLayout.from_verify_lens(
+        verify_lens_cpu=plan.verify_lens_cpu, device=device, grid=grid
+    )
+
+
+def scatter_to_strided(compact: torch.Tensor, layout, block_size: int) -> torch.Tensor:
+    """Packed rows [T_graph, D] -> [bs*B, D]; unverified slots are zero (never committed)."""
+    from sglang.kernels.ops.speculative.dspark.dspark_verify_window import (
+        ScatterCompactToStrided,
+    )
+
+    return ScatterCompactToStrided.execute(
+        compact=compact, layout=layout, fill_value=0.0, verify_num_draft_tokens=block_size
+    )
+
+
+class VerifyPlanner:
+    """Holds the length head and the options; turns draft states into a :class:`VerifyPlan`."""
+
+    def __init__(
+        self,
+        head: AdaptiveLengthHead | None,
+        block_size: int,
+        *,
+        rate: float,
+        min_len: int,
+        cost: StepCostModel,
+    ):
+        self.head = head
+        self.block_size = block_size
+        self.rate = rate
+        self.min_len = min(min_len, block_size)
+        self.cost = cost
+
+    def plan(self, draft_hidden: torch.Tensor | None, bs: int, *, greedy: bool) -> VerifyPlan:
+        if not greedy:
+            # Capping a rejection-sampling step must draw the bonus from the target's filtered
+            # distribution at slot L_i - 1, which SGLang computes inside its sampling kernel;
+            # until that is wired, sampled batches verify whole blocks (still lossless).
+            return VerifyPlan.uniform(bs, self.block_size, "sampling")
+        if self.head is None or draft_hidden is None:
+            return VerifyPlan.uniform(bs, self.block_size, "uniform")
+        ratio = head_ratio(self.head, draft_hidden, bs, self.block_size)
+        lens = plan_verify_lengths(
+            ratio, self.block_size, rate=self.rate, min_len=self.min_len, cost=self.cost
+        )
+        return VerifyPlan(self.block_size, lens, ratio, "head")

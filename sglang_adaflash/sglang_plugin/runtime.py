@@ -1,0 +1,207 @@
+"""The ADAFLASH pieces the SGLang worker holds, kept free of SGLang's worker class.
+
+- :func:`load_length_head` reads the ``thresh_head_two_model.*`` weights of an AdaFlash drafter
+  checkpoint into the reference engine's :class:`AdaptiveLengthHead` (same module, same weights);
+- :class:`SGLangDraftTarget` lets the hot-reload logic write into SGLang's DFlash draft model in
+  place, through the model's own ``load_weights`` (which fuses q/k/v and gate/up and shards for
+  tensor parallelism by copying into the existing parameters);
+- :func:`refresh_fused_kv_helper` refreshes the stacked weight copies SGLang's fused draft-KV
+  helper derives from the draft's k/v projections, in place;
+- :class:`StepStatsQueue` matches each step's verify lengths with the accept counts SGLang hands
+  back on the host later (``on_verify_complete_cpu``), so metrics cost no GPU sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
+from sglang_adaflash.serving.metrics import MetricsSink, SpecStepStats
+from sglang_adaflash.serving.reload import TensorSpec, is_version
+
+logger = logging.getLogger(__name__)
+
+HEAD_PREFIX = "thresh_head_two_model."
+
+
+class HeadLoadError(ValueError):
+    """The drafter's length head cannot be loaded; the message says why and what to do."""
+
+
+def local_checkpoint_dir(path: str) -> Path:
+    """A local directory for a drafter path: the path itself, or the local Hugging Face cache
+    snapshot SGLang downloaded for a hub id (never downloads)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception as e:
+        raise HeadLoadError(
+            f"drafter {path!r} is neither a local directory nor in the local Hugging Face cache "
+            f"({e}); pass a local --speculative-draft-model-path"
+        ) from None
+
+
+def read_head_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The length-head tensors (prefix stripped) from the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise HeadLoadError(f"{checkpoint_dir} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key.startswith(HEAD_PREFIX):
+                    state[key[len(HEAD_PREFIX) :]] = fh.get_tensor(key)
+    return state
+
+
+def load_length_head(
+    checkpoint_dir: Path, hidden_size: int, bottleneck_dim: int, device
+) -> AdaptiveLengthHead:
+    """The reference engine's head with the checkpoint's weights, in float32 on ``device``."""
+    state = read_head_state(checkpoint_dir)
+    if not state:
+        raise HeadLoadError(
+            f"{checkpoint_dir} enables the length head in config.json but has no "
+            f"{HEAD_PREFIX}* weights; republish the drafter with its head or disable it "
+            "(ADAFLASH_LENGTH_HEAD=off)"
+        )
+    head = AdaptiveLengthHead(hidden_size, bottleneck_dim)
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise HeadLoadError(
+            f"{checkpoint_dir}: the {HEAD_PREFIX}* weights do not fit a head with hidden size "
+            f"{hidden_size} and bottleneck {bottleneck_dim} ({e}); check "
+            "dflash_config.thresh_head_bottleneck_dim"
+        ) from None
+    return head.float().to(device).eval()
+
+
+def initial_version(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> str:
+    """The version name of the drafter given at start-up."""
+    env = os.environ if env is None else env
+    if env.get("ADAFLASH_DRAFTER_VERSION"):
+        return env["ADAFLASH_DRAFTER_VERSION"]
+    try:
+        manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+        if isinstance(manifest, dict) and isinstance(manifest.get("version"), str):
+            return manifest["version"]
+    except (OSError, json.JSONDecodeError):
+        pass
+    name = checkpoint_dir.resolve().name
+    return name if is_version(name) else f"initial:{name}"
+
+
+class SGLangDraftTarget:
+    """Hot-reload target over SGLang's DFlash draft model (checkpoint names -> live params)."""
+
+    def __init__(
+        self,
+        draft_model: torch.nn.Module,
+        expected: Mapping[str, TensorSpec],
+        *,
+        context: Callable[[], object] | None = None,
+        refresh: Callable[[], None] | None = None,
+    ):
+        self.draft_model = draft_model
+        self._expected = dict(expected)
+        self._context = context
+        self._refresh = refresh
+
+    def expected(self) -> dict[str, TensorSpec]:
+        return dict(self._expected)
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.draft_model.named_parameters())
+
+    def write(self, state: Mapping[str, torch.Tensor]) -> None:
+        device = next(self.draft_model.parameters()).device
+        # Host -> device copies first (pinned, async), then SGLang's loaders copy in place.
+        on_device = {k: v.to(device, non_blocking=True) for k, v in state.items()}
+        ctx = self._context() if self._context is not None else _null_context()
+        with torch.no_grad(), ctx:
+            self.draft_model.load_weights(iter(on_device.items()))
+
+    def refresh(self) -> None:
+        if self._refresh is not None:
+            self._refresh()
+
+
+class _null_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def expected_draft_spec(config, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """Checkpoint names and shapes of the draft (length head excluded) for a DrafterConfig."""
+    from sglang_adaflash.drafter.checkpoint import expected_shapes
+
+    return {
+        name: (shape, dtype)
+        for name, shape in expected_shapes(config).items()
+        if not name.startswith(HEAD_PREFIX)
+    }
+
+
+def refresh_fused_kv_helper(helper, layers) -> None:
+    """Re-derive SGLang's FusedKVMaterializeHelper weight stacks from the draft layers, in place
+    (the stacks may be referenced by captured graphs, so they are overwritten, not rebuilt)."""
+    if helper is None:
+        return
+    kv_rows, k_norms = [], []
+    for layer in layers:
+        attn = layer.self_attn
+        qkv = attn.qkv_proj.weight
+        kv_rows.append(qkv[attn.q_size : attn.q_size + 2 * attn.kv_size])
+        k_norms.append(attn.k_norm.weight)
+    flat = torch.stack(kv_rows).reshape(helper.flat_kv_weight_t.shape[1], -1)  # [L*2kv, H]
+    with torch.no_grad():
+        helper.flat_kv_weight_t.copy_(flat.transpose(0, 1))
+        helper.k_norm_weights.copy_(torch.stack(k_norms))
+
+
+class StepStatsQueue:
+    """Pairs each step's verify lengths with the accept counts SGLang reports later on the host.
+
+    SGLang calls ``on_verify_complete_cpu`` once per decode step, in step order, after the
+    accept lengths reached the host; overlap scheduling only delays it. Steps whose counts never
+    arrive (a request retracted mid-step) are dropped when the batch size does not match.
+    """
+
+    def __init__(self, sink: MetricsSink, maxlen: int = 64):
+        self.sink = sink
+        self._pending: deque[tuple[int, list[int], list[str | None] | None]] = deque(maxlen=maxlen)
+
+    def push(self, block_size: int, verify_lens: list[int], domains: list[str | None] | None):
+        self._pending.append((block_size, list(verify_lens), domains))
+
+    def complete(self, accepted_per_req: list[int]) -> SpecStepStats | None:
+        while self._pending:
+            block, lens, domains = self._pending.popleft()
+            if len(lens) != len(accepted_per_req):
+                continue  # a step that reported no counts; try the next one
+            accepted = [max(0, min(a, n - 1)) for a, n in zip(accepted_per_req, lens)]
+            stats = SpecStepStats(block, lens, accepted, domains)
+            try:
+                self.sink.observe_step(stats)
+            except Exception:  # metrics must never break decoding
+                logger.exception("adaflash: metrics sink failed")
+            return stats
+        return None

@@ -1,0 +1,397 @@
+"""``AdaFlashWorkerV2``: SGLang's DFlash V2 worker plus the length head, compact verification,
+hot reload and metrics.
+
+SGLang's ``DFlashWorkerV2.forward_batch_generation`` is one long function. Rather than copy it,
+the subclass joins it at three seams that it already exposes, for the duration of one decode
+step only:
+
+1. **after drafting**: the draft model runner is wrapped for the step, so the drafter's final
+   normed block states (``logits_output.hidden_states``, ``[bs*B, H]``) reach the length head,
+   and :class:`~.length_budget.VerifyPlanner` turns them into verify lengths for the batch;
+2. **verification** (compact mode): ``self.target_worker`` answers with a proxy whose verify
+   call rebuilds the verify batch packed to the chosen lengths (SGLang's
+   ``BuildRaggedVerifyWindow`` + ``DFlashVerifyInput(ragged_verify_layout=...)``), runs the
+   target on ``sum(L)`` tokens, and scatters logits and hidden states back to the strided
+   ``[bs*B]`` layout (``ScatterCompactToStrided``) that the rest of the DFlash step expects;
+3. **acceptance**: ``_accept_block`` sees candidates capped at each request's length, so no
+   proposal past an unverified slot is ever accepted, and the bonus token comes from a verified
+   slot. Sampled batches verify whole blocks (see ``VerifyPlanner.plan``).
+
+Between steps (before any forward) the hot reloader may swap drafter weights in place; the
+verify lengths of each step are also returned as ``cap_lens``, which feeds SGLang's own
+``spec_cap_length`` metrics, and matched with SGLang's host-side accept counts for the
+``adaflash_*`` metrics.
+
+None of this can run without CUDA; the pure parts are tested on CPU (``length_budget``,
+``runtime``, ``serving``) and the whole worker by ``python -m sglang_adaflash.sglang_plugin.e2e``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.spec_utils import draft_tp_context
+
+from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.serving import reload as rl
+from sglang_adaflash.serving.metrics import FanoutSink, LoggingSink, MetricsSink
+
+from . import length_budget as lb
+from .options import VERIFY_CAP, VERIFY_COMPACT, VERIFY_FIXED, AdaFlashOptions
+from .runtime import (
+    HeadLoadError,
+    SGLangDraftTarget,
+    StepStatsQueue,
+    expected_draft_spec,
+    initial_version,
+    load_length_head,
+    local_checkpoint_dir,
+    refresh_fused_kv_helper,
+)
+from .server_args import RAGGED_VERIFY_BACKENDS
+from .spec import resolved_verify_mode
+
+logger = logging.getLogger(__name__)
+
+DOMAIN_KEY = "domain"  # sampling_params.custom_params["domain"] tags a request's domain
+
+
+class _RunnerTap:
+    """Forwards everything to a model runner; hands each forward's output to ``on_output``."""
+
+    def __init__(self, runner, on_output):
+        self._runner = runner
+        self._on_output = on_output
+
+    def forward(self, *args, **kwargs):
+        out = self._runner.forward(*args, **kwargs)
+        self._on_output(out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+class _CompactVerifyTarget:
+    """Forwards everything to the target worker, except that verify forwards run compact."""
+
+    def __init__(self, real, worker: AdaFlashWorkerV2):
+        self._real = real
+        self._worker = worker
+
+    def forward_batch_generation(self, *args, **kwargs):
+        forward_batch = kwargs.get("forward_batch")
+        if not kwargs.get("is_verify") or forward_batch is None:
+            return self._real.forward_batch_generation(*args, **kwargs)
+        return self._worker._compact_verify(self._real, forward_batch, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _Step:
+    """What one decode step carries between the seams."""
+
+    def __init__(self, batch, greedy: bool, domains):
+        self.batch = batch
+        self.greedy = greedy
+        self.domains = domains
+        self.plan: lb.VerifyPlan | None = None
+        self.verify_lens_device: torch.Tensor | None = None
+
+
+class AdaFlashWorkerV2(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, *args, **kwargs):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker, *args, **kwargs)
+        self._ada_step: _Step | None = None
+        self._ada_tp_rank = get_parallel().tp_rank
+        self._ada_tp_group = get_parallel().tp_group
+        self._ada_opts = AdaFlashOptions.resolve(server_args.speculative_draft_model_path)
+        self._ada_mode = resolved_verify_mode() or VERIFY_FIXED
+        self._ada_ckpt = local_checkpoint_dir(server_args.speculative_draft_model_path)
+        self._ada_planner = self._build_planner()
+        self._ada_check_backend()
+        sink = self._build_sink()
+        self._ada_sink = sink
+        self._ada_stats = StepStatsQueue(sink)
+        self._ada_reloader = self._build_reloader(sink)
+        if self._ada_tp_rank == 0:
+            logger.warning(
+                "ADAFLASH worker: verify mode %s, block %d, length head %s, drafter %s",
+                self._ada_mode,
+                int(self.block_size),
+                "on" if self._ada_planner.head is not None else "off",
+                self._ada_reloader.status.loaded_version if self._ada_reloader else "?",
+            )
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _drafter_config(self):
+        from sglang_adaflash.drafter.checkpoint import read_config
+
+        return read_config(self._ada_ckpt)
+
+    def _build_planner(self) -> lb.VerifyPlanner:
+        opts = self._ada_opts
+        head = None
+        if opts.use_length_head and self._ada_mode != VERIFY_FIXED:
+            cfg = self._drafter_config()
+            try:
+                head = load_length_head(
+                    self._ada_ckpt, cfg.hidden_size, cfg.length_head_bottleneck_dim, self.device
+                )
+            except HeadLoadError as e:
+                logger.error("ADAFLASH: %s; falling back to fixed-length verification", e)
+                self._ada_mode = VERIFY_FIXED
+        cost = StepCostModel(fixed=opts.cost_fixed_s, per_token=opts.cost_per_token_s)
+        return lb.VerifyPlanner(
+            head, int(self.block_size), rate=opts.rate, min_len=opts.min_len, cost=cost
+        )
+
+    def _ada_check_backend(self) -> None:
+        """Compact mode was decided from the arguments; confirm it with the live backend."""
+        if self._ada_mode != VERIFY_COMPACT:
+            return
+        backend = self.target_worker.model_runner.attn_backend
+        ok = bool(getattr(backend, "supports_ragged_verify_graph", False))
+        if not ok:
+            raise RuntimeError(
+                f"ADAFLASH compact verification needs a target attention backend with ragged "
+                f"verify ({', '.join(sorted(RAGGED_VERIFY_BACKENDS))}), but the live backend is "
+                f"{type(backend).__name__}; pass --attention-backend fa3 or set "
+                "ADAFLASH_VERIFY_MODE=fixed"
+            )
+
+    def _build_sink(self) -> MetricsSink:
+        sinks: list[MetricsSink] = [LoggingSink()]
+        if self._ada_opts.metrics and self._ada_tp_rank == 0:
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                from sglang_adaflash.serving.metrics import PrometheusSink
+
+                sinks.append(PrometheusSink(max_block_size=int(self.block_size)))
+            else:
+                logger.warning(
+                    "ADAFLASH: adaflash_* metrics need --enable-metrics (Prometheus "
+                    "multiprocess mode); logging a summary instead"
+                )
+        return FanoutSink(sinks)
+
+    def _build_reloader(self, sink) -> rl.HotReloader | None:
+        cfg = self._drafter_config()
+        dtype = next(self.draft_model.parameters()).dtype
+        draft = SGLangDraftTarget(
+            self.draft_model,
+            expected_draft_spec(cfg, dtype),
+            context=lambda: draft_tp_context(self.draft_parallel_layout),
+            refresh=self._refresh_derived_draft_state,
+        )
+        parts: dict[str, rl.ReloadTarget] = {"draft": draft}
+        if self._ada_planner.head is not None:
+            parts["head"] = rl.ModuleTarget(self._ada_planner.head, prefix="thresh_head_two_model.")
+        group = (
+            rl.TorchDistGroup(self._ada_tp_group.cpu_group)
+            if int(self._ada_tp_group.world_size) > 1
+            else rl.SingleRank()
+        )
+        reporters = rl.reporters_from_env() if self._ada_tp_rank == 0 else []
+        reloader = rl.HotReloader(
+            source=rl.DesiredVersionSource.from_env(),
+            target=rl.CompositeTarget(parts),
+            loaded_version=initial_version(self._ada_ckpt),
+            live_config=cfg,
+            group=group,
+            sink=sink if self._ada_tp_rank == 0 else None,
+            reporters=reporters,
+            poll_interval_s=float(os.environ.get(rl.ENV_POLL_S, "5")),
+            sync_every_steps=int(os.environ.get(rl.ENV_SYNC_STEPS, "16")),
+            require_manifest=os.environ.get(rl.ENV_REQUIRE_MANIFEST, "1") != "0",
+        )
+        reloader.start()
+        return reloader
+
+    def _refresh_derived_draft_state(self) -> None:
+        helper = getattr(self, "_fused_kv_helper", None)
+        refresh_fused_kv_helper(helper, self.draft_model.layers)
+
+    # -- the three seams -----------------------------------------------------------------------
+
+    @property
+    def target_worker(self):
+        # getattr: SGLang's __init__ reads this property before our attributes exist.
+        step = getattr(self, "_ada_step", None)
+        if step is not None and getattr(self, "_ada_mode", None) == VERIFY_COMPACT:
+            return _CompactVerifyTarget(self._target_worker, self)
+        return self._target_worker
+
+    def forward_batch_generation(
+        self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+    ):
+        if not batch.forward_mode.is_idle():
+            self._ada_reloader.at_step_boundary()  # swap drafter weights between steps only
+        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        if not decode or batch.forward_mode.is_idle() or self._ada_mode == VERIFY_FIXED:
+            result = super().forward_batch_generation(
+                batch,
+                on_publish=on_publish,
+                grammar_barrier=grammar_barrier,
+                pp_proxy_tensors=pp_proxy_tensors,
+            )
+            if decode and not batch.forward_mode.is_idle():
+                block = int(self.block_size)
+                self._ada_stats.push(block, [block] * len(batch.seq_lens), _request_domains(batch))
+            return result
+        sampling = batch.sampling_info
+        step = _Step(batch, sampling is None or sampling.is_all_greedy, _request_domains(batch))
+        real_runner = self.draft_model_runner
+        self.draft_model_runner = _RunnerTap(real_runner, self._on_draft_output)
+        self._ada_step = step
+        try:
+            result = super().forward_batch_generation(
+                batch,
+                on_publish=on_publish,
+                grammar_barrier=grammar_barrier,
+                pp_proxy_tensors=pp_proxy_tensors,
+            )
+        finally:
+            self.draft_model_runner = real_runner
+            self._ada_step = None
+        plan = step.plan or lb.VerifyPlan.uniform(
+            len(batch.seq_lens), int(self.block_size), "uniform"
+        )
+        if step.verify_lens_device is not None:
+            result.cap_lens = step.verify_lens_device  # feeds sglang:spec_cap_length
+        self._ada_stats.push(plan.block_size, plan.verify_lens_cpu, step.domains)
+        return result
+
+    def _on_draft_output(self, draft_out) -> None:
+        step = self._ada_step
+        if step is None or step.plan is not None:
+            return
+        bs = len(step.batch.seq_lens)
+        hidden = getattr(getattr(draft_out, "logits_output", None), "hidden_states", None)
+        plan = self._ada_planner.plan(hidden, bs, greedy=step.greedy)
+        plan = self._agree_across_tp(plan)
+        step.plan = plan
+        step.verify_lens_device = torch.tensor(
+            plan.verify_lens_cpu, dtype=torch.int32, device=self.device
+        )
+
+    def _agree_across_tp(self, plan: lb.VerifyPlan) -> lb.VerifyPlan:
+        """All TP ranks must verify the same token bucket: take the element-wise minimum."""
+        if int(self._ada_tp_group.world_size) == 1:
+            return plan
+        lens = torch.tensor(plan.verify_lens_cpu, dtype=torch.int64)
+        torch.distributed.all_reduce(
+            lens, op=torch.distributed.ReduceOp.MIN, group=self._ada_tp_group.cpu_group
+        )
+        return lb.VerifyPlan(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
+
+    def _accept_block(self, *, candidates, **kwargs):
+        step = self._ada_step
+        if (
+            step is not None
+            and step.greedy
+            and step.plan is not None
+            and not step.plan.is_uniform
+            and self._ada_mode in (VERIFY_COMPACT, VERIFY_CAP)
+        ):
+            candidates = lb.cap_candidates(candidates, step.verify_lens_device)
+        return super()._accept_block(candidates=candidates, **kwargs)
+
+    def _compact_verify(self, real_target, full_forward_batch, kwargs):
+        """Run the verify forward on the packed verify lengths; return strided outputs."""
+        from sglang.kernels.ops.speculative.dspark.dspark_verify_window import (
+            BuildRaggedVerifyWindow,
+        )
+
+        step = self._ada_step
+        block = int(self.block_size)
+        batch = step.batch
+        bs = len(batch.seq_lens)
+        plan = step.plan or lb.VerifyPlan.uniform(bs, block, "uniform")
+        if step.plan is None:
+            step.plan = plan
+            step.verify_lens_device = torch.tensor(
+                plan.verify_lens_cpu, dtype=torch.int32, device=self.device
+            )
+        layout = lb.build_layout(plan, device=self.device, model_runner=real_target.model_runner)
+        full_input = full_forward_batch.spec_info
+        draft_tokens = full_input.draft_token.view(bs, block)  # [bs, B], slot 0 = anchor
+        window = BuildRaggedVerifyWindow.execute(
+            batch=batch,
+            layout=layout,
+            draft_block_ids=draft_tokens,
+            draft_tokens=draft_tokens[:, 1:],
+            bs=bs,
+            device=self.device,
+            verify_num_draft_tokens=block,
+            model_runner=real_target.model_runner,
+        )
+        compact_input = DFlashVerifyInput(
+            draft_token=window.verify_ids,
+            positions=window.positions,
+            draft_token_num=block,
+            custom_mask=None,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            ragged_verify_layout=layout,
+            live_seq_lens_cpu=batch.seq_lens_cpu,
+            kv_loc_plan=full_input.kv_loc_plan,
+            kv_loc_cols=window.window_index,  # the packed rows select from the planned window
+        )
+        saved = (
+            batch.out_cache_loc,
+            batch.input_ids,
+            batch.spec_info,
+            batch.seq_lens_cpu,
+            batch.seq_lens_sum,
+        )
+        batch.out_cache_loc = window.verify_cache_loc
+        if batch.seq_lens_cpu is not None:
+            # Verify host bound = committed prefix + this request's verify length.
+            batch.seq_lens_cpu = batch.seq_lens_cpu + torch.tensor(
+                plan.verify_lens_cpu, dtype=batch.seq_lens_cpu.dtype
+            )
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            compact_batch, _ = compact_input.prepare_for_verify(batch, real_target)
+        finally:
+            (
+                batch.out_cache_loc,
+                batch.input_ids,
+                batch.spec_info,
+                batch.seq_lens_cpu,
+                batch.seq_lens_sum,
+            ) = saved
+        kwargs = dict(kwargs, forward_batch=compact_batch, skip_attn_backend_init=True)
+        out = real_target.forward_batch_generation(**kwargs)
+        logits_output = out.logits_output
+        logits_output.next_token_logits = lb.scatter_to_strided(
+            logits_output.next_token_logits, layout, block
+        )
+        if logits_output.hidden_states is not None:
+            logits_output.hidden_states = lb.scatter_to_strided(
+                logits_output.hidden_states, layout, block
+            )
+        return out
+
+    # -- host-side hooks SGLang calls ----------------------------------------------------------
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
+        if self._ada_tp_rank == 0:
+            self._ada_stats.complete(list(num_correct_drafts_per_req))
+
+
+def _request_domains(batch) -> list[str | None] | None:
+    domains = []
+    for req in batch.reqs:
+        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        value = params.get(DOMAIN_KEY) if isinstance(params, dict) else None
+        domains.append(str(value) if value else None)
+    return domains if any(domains) else None

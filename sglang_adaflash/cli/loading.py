@@ -87,7 +87,7 @@ def load_pair(
     if not target_dir.is_dir():
         raise CLIError(f"target directory {target_dir} does not exist")
     if need_drafter and drafter_dir is None:
-        raise CLIError("this mode needs a drafter: pass --drafter DIR (or use --mode ar)")
+        raise CLIError("speculative modes (dflash, adaflash) need a drafter: pass --drafter DIR, or decode without one in mode ar")
     try:
         target = HFTarget.from_pretrained(target_dir, dtype=torch_dtype, device=device)
     except TargetError as e:

@@ -1,0 +1,127 @@
+"""`adaflash bench` on a tiny random float64 pair: results.json, the plot, the T=0 equality check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_adaflash.bench import runner
+from sglang_adaflash.bench.metrics import aggregate, first_difference, pearson
+from sglang_adaflash.cli.main import main
+from sglang_adaflash.engine import engine as engine_mod
+from sglang_adaflash.engine.request import RequestOutput, RequestStats
+from sglang_adaflash.engine.verify import verify_greedy
+
+MODES = ["hf", "ar", "dflash", "adaflash"]
+
+
+def _bench(pair, workload, out, *extra):
+    return main(["bench", "--target", str(pair.target_dir), "--drafter", str(pair.drafter_dir), "--prompts", str(workload),
+                 "--concurrency", "1,3", "--max-new-tokens", "8", "--ignore-eos", "--quiet", "--out", str(out), *extra])
+
+
+def test_bench_writes_results_and_plot(tiny_pair, workload, tmp_path, capsys):
+    assert _bench(tiny_pair, workload, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "T=0 equality: OK" in out and "tok/s" in out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temp files
+    rows = {(r["mode"], r["concurrency"]): r for r in doc["results"]}
+    assert set(rows) == {(m, c) for m in MODES for c in (1, 3)}
+    for r in rows.values():
+        # 5 prompts -> max(c, 5) requests, each exactly 8 tokens (stop tokens ignored)
+        assert r["requests"] == 5 and r["generated_tokens"] == 40
+        assert r["throughput_tok_s"] > 0 and r["speedup_vs_hf"] is not None
+    for c in (1, 3):
+        ar = rows[("ar", c)]
+        assert ar["tau"] == 1.0 and ar["verify_efficiency"] == 1.0 and ar["mean_verify_len"] == 1.0
+        assert ar["steps"] == 5 * 7  # the first token of each request comes from prefill
+        for mode in ("dflash", "adaflash"):
+            r = rows[(mode, c)]
+            assert r["committed_tokens"] == 35 and r["verified_tokens"] >= r["steps"]
+            assert r["verify_efficiency"] == pytest.approx(r["committed_tokens"] / r["verified_tokens"])
+            assert len(r["accepted_by_position"]) == 3  # block size 4
+            assert set(r["per_domain"]) == {"code", "math", "prose"}
+        lh = rows[("adaflash", c)]["length_head"]
+        assert lh["steps"] == rows[("adaflash", c)]["steps"] and 0 < lh["mean_predicted_ratio"] < 1
+        assert rows[("dflash", c)]["length_head"] is None
+        assert rows[("dflash", c)]["mean_verify_len"] > 1
+    assert doc["equality"]["ok"] and doc["equality"]["checked_modes"] == ["dflash", "adaflash"]
+    # float64: HF's padded batches give the very same greedy tokens as the engine
+    assert doc["equality"]["hf_exact_agreement"] == {"1": 1.0, "3": 1.0}
+    assert doc["config"]["modes"] == MODES and doc["models"]["drafter"]["block_size"] == 4
+
+
+def test_mixed_lengths_are_honoured_by_every_mode(tiny_pair, workload, tmp_path, capsys):
+    assert _bench(tiny_pair, workload, tmp_path, "--mixed-lengths", "--modes", "hf,ar", "--num-prompts", "6") == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["mode"], r["concurrency"]): r for r in doc["results"]}
+    lengths = runner.random.Random(0)
+    want = sum(lengths.randint(1, 8) for _ in range(6))
+    for key in rows:
+        assert rows[key]["generated_tokens"] == want
+    # HF's padded batch runs to its longest request
+    assert rows[("hf", 3)]["padding_waste"] > 0 and rows[("hf", 3)]["decoded_tokens_incl_padding"] > want
+
+
+def test_equality_check_catches_a_lossy_verifier(tiny_pair, workload, tmp_path, capsys, monkeypatch):
+    def accept_everything(draft_ids, target_logits, num_candidates):  # wrong on purpose
+        res = verify_greedy(draft_ids, target_logits, num_candidates)
+        k = draft_ids.shape[1]
+        n = num_candidates.long()
+        res.num_accepted = n.clone()
+        res.tokens[:, :k] = draft_ids
+        res.tokens.scatter_(1, n[:, None], target_logits.argmax(-1).gather(1, n[:, None]))
+        return res
+
+    monkeypatch.setattr(engine_mod, "verify_greedy", accept_everything)
+    rc = _bench(tiny_pair, workload, tmp_path, "--modes", "ar,dflash", "--strict")
+    err = capsys.readouterr().err
+    assert rc == 1 and "MISMATCH" in err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert not doc["equality"]["ok"] and doc["equality"]["mismatches"]
+    m = doc["equality"]["mismatches"][0]
+    assert m["mode"] == "dflash" and m["first_diff"] >= 1  # the prefill token is the target's own
+
+
+def test_bench_argument_errors(tiny_pair, workload, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "t", "--prompts", "p", "--out", "o", "--modes", "ar,fast"])
+    assert "subset of hf,ar,dflash,adaflash" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "t", "--prompts", "p", "--out", "o", "--concurrency", "1,0"])
+    rc = main(["bench", "--target", str(tiny_pair.target_dir), "--prompts", str(workload), "--modes", "ar,dflash",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 2 and "need a drafter: pass --drafter DIR" in capsys.readouterr().err
+
+
+def _out(accept_lens, verify_lens, domain=None, ratios=(), block=4):
+    s = RequestStats(block)
+    for a, v in zip(accept_lens, verify_lens):
+        s.record(v, a - 1)
+    s.predicted_ratios = list(ratios)
+    return RequestOutput("r", [1], [0] * (1 + sum(accept_lens)), "length", s, None, domain)
+
+
+def test_aggregate_by_hand():
+    outs = [_out([3, 1], [4, 4], "a", ratios=[0.75, 0.25]), _out([4, 2, 1], [4, 2, 1], "b", ratios=[1.0, 0.5, 0.25])]
+    agg = aggregate(outs, block_size=4)
+    assert agg["steps"] == 5 and agg["committed_tokens"] == 11 and agg["verified_tokens"] == 15
+    assert agg["tau"] == pytest.approx(11 / 5) and agg["verify_efficiency"] == pytest.approx(11 / 15)
+    assert agg["accepted_by_position"] == [3, 2, 1]
+    assert agg["per_domain"] == {"a": {"requests": 1, "steps": 2, "tau": 2.0}, "b": {"requests": 1, "steps": 3, "tau": 7 / 3}}
+    lh = agg["length_head"]
+    assert lh["pearson"] == pytest.approx(1.0)  # ratios are exactly tau / B here
+    assert lh["mean_abs_error"] == pytest.approx(0.0)
+
+
+def test_pearson_and_first_difference():
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 1, 1], [1, 2, 3]) is None and pearson([1], [1]) is None
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2

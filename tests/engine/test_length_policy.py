@@ -1,0 +1,66 @@
+"""Verify lengths: always inside [min_len, B], and the load-aware rule shortens under load."""
+
+import pytest
+import torch
+
+from sglang_adaflash.drafter.length_head import AdaptiveLengthHead, candidate_lengths, length_label
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.length_policy import StepCostModel, choose_verify_lengths, survival_rate
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("block, rate, min_len", [(16, 1.3, 2), (8, 1.0, 1), (16, 2.0, 4)])
+def test_paper_rule_bounds(block, rate, min_len):
+    ratio = torch.rand(1000, generator=torch.Generator().manual_seed(block))
+    ratio[:3] = torch.tensor([0.0, 1.0, 0.5])
+    lengths = candidate_lengths(ratio, block, rate, min_len)
+    assert lengths.min() >= min_len and lengths.max() <= block
+
+
+@pytest.mark.parametrize("fixed", [10.0, 0.1, 0.001, 0.0])
+def test_load_aware_rule_bounds(fixed):
+    g = torch.Generator().manual_seed(1)
+    for bs in (1, 7, 64):
+        ratio = torch.rand(bs, generator=g)
+        lengths = choose_verify_lengths(ratio, 16, StepCostModel(fixed, 0.001), min_len=2)
+        assert lengths.min() >= 2 and lengths.max() <= 16
+
+
+def test_load_aware_rule_respects_caps_and_load():
+    ratio = torch.tensor([0.3, 0.6, 0.9])
+    cap = torch.tensor([16, 3, 1])
+    lengths = choose_verify_lengths(ratio, 16, StepCostModel(1.0, 0.001), min_len=2, max_len=cap)
+    assert lengths.tolist()[1:] == [3, 1]
+    light = choose_verify_lengths(ratio, 16, StepCostModel(1.0, 0.001), min_len=1)
+    heavy = choose_verify_lengths(ratio, 16, StepCostModel(0.0, 0.001), min_len=1)
+    assert (heavy <= light).all() and heavy.sum() < light.sum()
+    # requests predicted to accept more get at least as many slots
+    assert heavy.tolist() == sorted(heavy.tolist())
+
+
+def test_survival_rate_matches_expected_tau():
+    ratio = torch.tensor([0.1, 0.4, 0.8])
+    a = survival_rate(ratio, 16)
+    tau = (a[:, None] ** torch.arange(16)).sum(-1)
+    assert torch.allclose(tau, ratio * 16, atol=1e-3)
+
+
+def test_length_head_shapes_and_label():
+    head = AdaptiveLengthHead(32, 64)
+    ratio = head(torch.randn(5, 16, 32))
+    assert ratio.shape == (5,) and ((ratio > 0) & (ratio < 1)).all()
+    assert length_label(torch.tensor([0, 3, 15, 20]), 16).tolist() == [1 / 16, 4 / 16, 1.0, 1.0]
+
+
+def test_engine_lengths_stay_in_bounds(target, drafter):
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64,
+                     cost_model=StepCostModel(0.0, 0.001))
+    outs = eng.run([Request([1, 2, 3 + i], SamplingParams(max_new_tokens=20)) for i in range(6)])
+    min_len = drafter.config.length_head_min_len
+    for o in outs:
+        remaining = 19  # first token comes from prefill
+        for v, a in zip(o.stats.verify_lens, o.stats.accept_lens):
+            assert min(min_len, remaining) <= v <= drafter.config.block_size
+            remaining -= a
+        assert len(o.stats.predicted_ratios) == o.stats.steps

@@ -1,0 +1,42 @@
+"""One bad request fails alone; the rest of its batch completes exactly as it would without it."""
+
+import math
+
+import pytest
+
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sampling import SamplingParams
+
+GOOD = [[5, 6, 7], [9, 1], [3, 3, 3, 3]]
+
+
+def _engine(target, drafter):
+    return SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=40,
+                      cost_model=StepCostModel(0.01, 0.001))
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (Request([]), "prompt is empty"),
+        (Request(list(range(38))), "exceeds the engine's max_seq_len"),
+        (Request([1, 2, 10_000]), "outside the vocabulary"),
+        (Request([1, 2], SamplingParams(temperature=-1.0)), "temperature"),
+        (Request([1, 2], SamplingParams(temperature=math.nan)), "temperature"),
+        (Request([1, 2], SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),
+        (Request([1, 2], SamplingParams(temperature=1.0, top_k=-3)), "top_k"),
+        (Request([1, 2], SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (Request([1, 2], SamplingParams(stop_token_ids=(999,))), "stop_token_ids"),
+    ],
+)
+def test_bad_request_fails_alone(target, drafter, bad, message):
+    reference = _engine(target, drafter).run([Request(list(p), SamplingParams(max_new_tokens=6)) for p in GOOD])
+    reqs = [Request(list(p), SamplingParams(max_new_tokens=6)) for p in GOOD]
+    outs = _engine(target, drafter).run(reqs[:1] + [bad] + reqs[1:])
+    assert outs[1].finish_reason == "error"
+    assert message in outs[1].error
+    good = outs[:1] + outs[2:]
+    assert [o.output_ids for o in good] == [o.output_ids for o in reference]
+    assert all(o.ok and len(o.output_ids) == 6 for o in good)

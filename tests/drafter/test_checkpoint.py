@@ -19,7 +19,7 @@ from sglang_adaflash.drafter.store import latest_version, list_versions, publish
 from sglang_adaflash.target.compat import CompatibilityError, check_compatibility
 from tests.engine.conftest import drafter_config, tiny_drafter, tiny_target
 
-H, I, NH, KVH, HD, V = 48, 96, 4, 2, 12, 96
+H, FF, NH, KVH, HD, V = 48, 96, 4, 2, 12, 96
 
 
 def published_state(layers=1, head=True, dtype=torch.bfloat16):
@@ -39,9 +39,9 @@ def published_state(layers=1, head=True, dtype=torch.bfloat16):
             p + "self_attn.o_proj.weight": w(H, NH * HD),
             p + "self_attn.q_norm.weight": w(HD) + 1,
             p + "self_attn.k_norm.weight": w(HD) + 1,
-            p + "mlp.gate_proj.weight": w(I, H),
-            p + "mlp.up_proj.weight": w(I, H),
-            p + "mlp.down_proj.weight": w(H, I),
+            p + "mlp.gate_proj.weight": w(FF, H),
+            p + "mlp.up_proj.weight": w(FF, H),
+            p + "mlp.down_proj.weight": w(H, FF),
             p + "input_layernorm.weight": w(H) + 1,
             p + "post_attention_layernorm.weight": w(H) + 1,
         })
@@ -63,7 +63,7 @@ def published_config(layers=1, head=True):
         dflash.update(use_thresh_head_two_model=True, thresh_head_bottleneck_dim=256, thresh_head_direct_len=True)
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
-        "intermediate_size": I, "num_hidden_layers": layers, "num_attention_heads": NH,
+        "intermediate_size": FF, "num_hidden_layers": layers, "num_attention_heads": NH,
         "num_key_value_heads": KVH, "head_dim": HD, "vocab_size": V, "num_target_layers": 3,
         "block_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "torch_dtype": "bfloat16",
         "dflash_config": dflash, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},

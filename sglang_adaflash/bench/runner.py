@@ -62,6 +62,7 @@ class BenchConfig:
     ignore_eos: bool = False
     use_chat_template: bool = True
     label: str | None = None
+    threads: int | None = None
 
 
 @dataclass
@@ -335,6 +336,8 @@ def format_table(doc: dict) -> str:
 
 def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = True, strict: bool = False) -> int:
     quiet_transformers()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -365,15 +368,9 @@ def cmd_bench(args) -> int:
         modes=args.modes, max_new_tokens=args.max_new_tokens, mixed_lengths=args.mixed_lengths,
         num_prompts=args.num_prompts, repeats=args.repeats, seed=args.seed, dtype=args.dtype,
         device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
+        threads=args.threads,
     )
     return bench_and_write(cfg, args.out, progress=not args.quiet, strict=args.strict)
-
-
-# Sizes of the tiny pair `adaflash demo` builds when the embedded pair is missing: the target
-# costs clearly more than the one-layer drafter.
-DEMO_TINY_SPEC = {"target_layers": 8, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "head_dim": 64, "drafter_layers": 1, "block_size": 8,
-                  "length_head_bottleneck_dim": 64}
 
 
 def cmd_demo(args) -> int:
@@ -387,12 +384,12 @@ def cmd_demo(args) -> int:
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
                           num_prompts=args.num_prompts, device=args.device, label="embedded pair, held-out workloads")
     else:
-        from ..testing import build_tiny_pair, write_tiny_workload
+        from ..testing import PRESETS, build_tiny_pair, write_tiny_workload
 
         root = Path(args.cache_dir) / "tiny-pair"
         print(f"demo: the embedded model pair is not there yet ({MODELS_DIR}); building a tiny RANDOM pair in {root} "
               "instead. Its drafter accepts almost nothing: expect no speculative speedup.", file=sys.stderr)
-        pair = build_tiny_pair(root, seed=0, **DEMO_TINY_SPEC)
+        pair = build_tiny_pair(root, seed=0, **PRESETS["engine-tiny"])
         prompts = write_tiny_workload(root / "workload.jsonl", num_prompts=24, seed=0)
         cfg = BenchConfig(target=str(pair.target_dir), drafter=str(pair.drafter_dir), prompts=[str(prompts)],
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=_positive_int, default=None,
                    help="requests per concurrency level = max(concurrency, this); prompts are cycled (default: the file's count)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")
     b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
     b.add_argument("--quiet", action="store_true", help="no progress bars")

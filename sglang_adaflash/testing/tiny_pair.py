@@ -64,6 +64,18 @@ class TinyPairSpec:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
 
+# Named sizes. "engine-tiny": the target (8 layers, hidden 256) costs clearly more than the
+# one-layer drafter, as in real pairs; used by `adaflash demo` and benchmarks/engine_tiny.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    "engine-tiny": {
+        "target_layers": 8, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "drafter_layers": 1, "block_size": 8,
+        "length_head_bottleneck_dim": 64,
+    },
+}
+
+
 @dataclass(frozen=True)
 class TinyPair:
     root: Path

@@ -18,6 +18,7 @@ import torch
 from ..drafter.length_head import candidate_lengths
 from ..drafter.model import DFlashDrafter
 from ..target.hf_target import HFTarget, TargetBatch
+from . import flashinfer_sampling
 from .length_policy import StepCostModel, choose_verify_lengths
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
@@ -105,6 +106,7 @@ class SpecEngine:
             target.capture_layer_ids = []
         self.cost_model = cost_model
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.use_flashinfer = flashinfer_sampling.available(self.device)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.stats = EngineStats()
@@ -199,7 +201,7 @@ class SpecEngine:
         hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if hot:
             probs = filtered_probs(logits[hot], *self._sampling_tensors([seqs[i] for i in hot]))
-            out[hot] = sample_from(probs, self.generator)
+            out[hot] = self._sample(probs)
         return out
 
     def _sampling_tensors(self, seqs: list[_Seq], repeat: int = 1):
@@ -261,7 +263,7 @@ class SpecEngine:
         if hot:
             k = logits.shape[1]
             q = filtered_probs(logits[hot].flatten(0, 1), *self._sampling_tensors([seqs[i] for i in hot], k))
-            draft_ids[hot] = sample_from(q, self.generator).view(len(hot), k)
+            draft_ids[hot] = self._sample(q).view(len(hot), k)
             draft_probs = q.view(len(hot), k, -1)
         ratio = None
         if self.mode == "adaflash":
@@ -296,10 +298,21 @@ class SpecEngine:
             hot_seqs = [seqs[i] for i in hot]
             p = filtered_probs(target_logits[hot].flatten(0, 1), *self._sampling_tensors(hot_seqs, k + 1))
             q = draft_probs[:, :k] if draft_probs is not None else p.new_zeros(len(hot), 0, p.shape[-1])
-            sampled = verify_sampling(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot], self.generator)
+            sampled = self._verify_sampled(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot])
             result.tokens[hot] = sampled.tokens
             result.num_accepted[hot] = sampled.num_accepted
         return result
+
+    def _verify_sampled(self, draft_ids, q, p, num_candidates) -> VerifyResult:
+        n = num_candidates[0]
+        if self.use_flashinfer and q.shape[1] > 0 and bool((num_candidates == n).all()):  # syncs once
+            return flashinfer_sampling.verify_sampling_uniform(draft_ids, q, p, int(n), self.generator)
+        return verify_sampling(draft_ids, q, p, num_candidates, self.generator)
+
+    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.use_flashinfer:
+            return flashinfer_sampling.sample(probs, self.generator)
+        return sample_from(probs, self.generator)
 
     def _commit(self, seqs, committed, lengths, ratio) -> None:
         for i, (seq, toks) in enumerate(zip(seqs, committed)):

@@ -1,6 +1,6 @@
-"""Build the embedded model pair from scratch: data -> tokenizer -> target (-> drafter stages).
+"""Build the embedded model pair from scratch: data -> tokenizer -> target -> drafter.
 
-    python -m training_job.models build --out DIR [--toy] [--stages data,tokenizer,target]
+    python -m training_job.models build --out DIR [--toy] [--stages data,tokenizer,target,drafter]
     python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
 
 Each stage writes its output atomically and is skipped when that output already exists, so an
@@ -13,21 +13,28 @@ Layout of DIR::
     tokenizer/       HF tokenizer (tokenizer.json, tokenizer_config.json)
     target_work/     target checkpoint (ckpt.pt) and train_log.jsonl
     target/          HF model directory of the target, with tokenizer files and training_report.json
+    drafter_work/    regenerated responses (regen.*.jsonl), drafter and length-head checkpoints
+    drafter/         DFlash-format drafter checkpoint (config.json, model.safetensors,
+                     manifest.json) with the AdaFlash length head
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from .data import DOMAINS, DataConfig, build_all, load_split
+from .dflash_offline import DrafterTrainConfig
 from .target_lm import TargetConfig
 
-STAGES: tuple[str, ...] = ("data", "tokenizer", "target")
+STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "drafter")
+# Held-out prompts per domain whose regenerated responses measure the drafter (block tau).
+EVAL_PROMPTS = 48
 
 
 def _train_records(data_dir: Path, domains=DOMAINS) -> list[dict]:
@@ -74,8 +81,52 @@ def stage_target(out: Path, data_dir: Path, tok_dir: Path, cfg: TargetConfig,
     return target_dir
 
 
+def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrainConfig,
+                  progress: bool = True) -> Path:
+    """Regenerate with the target, train the drafter on code and prose, then its length head."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import dflash_offline as dfo
+
+    drafter_dir = out / "drafter"
+    if (drafter_dir / "manifest.json").exists():
+        return drafter_dir
+    work = out / "drafter_work"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    train_recs = []
+    for d in cfg.domains:
+        recs = load_split(data_dir, d, "train")
+        random.Random(cfg.seed).shuffle(recs)
+        train_recs += recs[:cfg.max_prompts_per_domain]
+    seqs = dfo.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
+                          cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
+    eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
+                               cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    drafter, train_stats = dfo.train_drafter(target, tokenizer, seqs, cfg, work, progress)
+    head_stats = dfo.train_length_head(target, tokenizer, drafter, seqs, cfg, work, progress)
+    tau = {d: dfo.evaluate_blocks(target, tokenizer, drafter,
+                                  [s for s in eval_seqs if s["domain"] == d], cfg)
+           for d in DOMAINS}
+    training = {"algorithm": "dflash-offline", "records": len(seqs), "steps": train_stats["steps"],
+                "final_loss": train_stats["final_loss"], "length_head": head_stats,
+                "domains": list(cfg.domains)}
+    evaluation = {"tau_by_domain": {d: round(v["tau_mean"], 3) for d, v in tau.items()},
+                  "method": f"one block at 4 random anchors per held-out response, "
+                            f"block {cfg.block_size}, teacher-forced context",
+                  "parent": None}
+    dfo.export_drafter(drafter, target_dir, drafter_dir, cfg, training, evaluation)
+    print(json.dumps({"training": training, "eval": evaluation}, indent=2))
+    return drafter_dir
+
+
 def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig | None = None,
-          progress: bool = True, kjv_text: str | None = None) -> dict[str, Path]:
+          progress: bool = True, kjv_text: str | None = None,
+          drafter_cfg: DrafterTrainConfig | None = None) -> dict[str, Path]:
     """Run the stages in order under ``out``; ``kjv_text`` replaces the `bible` reader (tests)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +138,9 @@ def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig 
         paths["tokenizer"] = stage_tokenizer(out, paths["data"], cfg)
     if "target" in stages:
         paths["target"] = stage_target(out, paths["data"], paths["tokenizer"], cfg, progress)
+    if "drafter" in stages:
+        dcfg = drafter_cfg or (DrafterTrainConfig.toy() if toy else DrafterTrainConfig())
+        paths["drafter"] = stage_drafter(out, paths["data"], out / "target", dcfg, progress)
     print(f"built {', '.join(paths)} in {time.time() - t0:.1f}s under {out}")
     return paths
 
@@ -109,6 +163,13 @@ def ship(build_dir: Path, assets_dir: Path | None = None) -> None:
     for d in DOMAINS:
         shutil.copyfile(build_dir / "data" / f"{d}.heldout.jsonl", wl / f"{d}.heldout.jsonl")
     shutil.copyfile(build_dir / "data" / "manifest.json", wl / "manifest.json")
+    if (build_dir / "drafter" / "manifest.json").exists():
+        dst = assets_dir / "models" / "drafter"
+        tmp = dst.with_name("drafter.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(build_dir / "drafter", tmp)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ class TargetConfig:
     rope_theta: float = 10000.0
     # Optimisation.
     batch_size: int = 3
-    max_steps: int = 300
+    max_steps: int = 560
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup_steps: int = 20
@@ -61,7 +61,7 @@ class TargetConfig:
     # Bookkeeping.
     seed: int = 1234
     threads: int = 2
-    eval_every: int = 75
+    eval_every: int = 140
     eval_examples: int = 24  # per domain, for the periodic eval; the final eval uses all
     eval_max_len: int = 512  # tokens of prompt + response scored per held-out record
     ckpt_every: int = 20

@@ -34,6 +34,17 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     assert set(report["heldout"]) == {"code", "math", "prose"}
     assert all(v["tokens"] > 0 for v in report["heldout"].values())
 
+    from sglang_adaflash.drafter.checkpoint import load_drafter
+    from sglang_adaflash.drafter.manifest import check_target
+
+    drafter = load_drafter(paths["drafter"])  # verifies the manifest's hashes
+    assert drafter.length_head is not None
+    assert drafter.config.vocab_size == model.config.vocab_size
+    assert drafter.config.mask_token_id == tok.mask_token_id
+    manifest = json.loads((paths["drafter"] / "manifest.json").read_text())
+    check_target(manifest, target)
+    assert set(manifest["eval"]["tau_by_domain"]) == {"code", "math", "prose"}
+
     # A second build finds every stage's output and retrains nothing.
     models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)
     log2 = [json.loads(x) for x in (tmp_path / "target_work" / "train_log.jsonl").open()]

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from training_job.dflash_offline import (
+    IGNORE,
+    DrafterTrainConfig,
+    accept_lengths,
+    build_drafter,
+    drafter_forward,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+    weighted_ce,
+)
+
+MASK = 3
+
+
+def test_blocks_labels_positions_and_mask():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0], [20, 21, 22, 23, 24, 25, 26, 27]])
+    b = make_blocks(ids, [6, 8], [[2, 4], [5]], block_size=4, mask_token_id=MASK)
+    assert b.seq_indices.tolist() == [0, 0, 1]
+    assert b.input_ids.tolist() == [[12, MASK, MASK, MASK], [14, MASK, MASK, MASK],
+                                    [25, MASK, MASK, MASK]]
+    assert b.positions.tolist() == [[2, 3, 4, 5], [4, 5, 6, 7], [5, 6, 7, 8]]
+    # Slot k is the token at anchor + k; past the sequence's end and slot 0 are ignored.
+    assert b.labels.tolist() == [[IGNORE, 13, 14, 15], [IGNORE, 15, IGNORE, IGNORE],
+                                 [IGNORE, 26, 27, IGNORE]]
+    # Context keys strictly before the anchor; the block's own keys, all of them.
+    assert b.mask.shape == (3, 1, 4, 8 + 4)
+    ctx, own = b.mask[:, 0, :, :8], b.mask[:, 0, :, 8:]
+    assert ctx[0].all(dim=0).tolist() == [True, True] + [False] * 6
+    assert ctx[2].all(dim=0).tolist() == [True] * 5 + [False] * 3
+    assert own.all()
+
+
+def test_blocks_never_see_each_other():
+    """Perturbing one block's tokens changes no other block's output (same sequence)."""
+    torch.manual_seed(0)
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4)
+    d = build_drafter(tc, cfg, MASK).eval()
+    emb = torch.nn.Embedding(64, 32)
+    d.share_target_modules(emb, torch.nn.Linear(32, 64, bias=False))
+    ids = torch.randint(8, 64, (1, 12))
+    feats = torch.randn(1, 12, 64)
+    b = make_blocks(ids, [12], [[3, 7]], 4, MASK)
+    h1 = drafter_forward(d, feats, b)
+    ids2 = ids.clone()
+    ids2[0, 7] = (ids[0, 7] + 1) % 64  # the second block's anchor token
+    h2 = drafter_forward(d, feats, make_blocks(ids2, [12], [[3, 7]], 4, MASK))
+    assert torch.allclose(h1[0], h2[0], atol=1e-6)
+    assert not torch.allclose(h1[1], h2[1])
+    # Features at or after an anchor never reach that block.
+    feats2 = feats.clone()
+    feats2[0, 3:] += 1.0
+    h3 = drafter_forward(d, feats2, b)
+    assert torch.allclose(h1[0], h3[0], atol=1e-6)
+
+
+def test_position_weights_and_weighted_ce():
+    w = position_weights(4, 7.0)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(w[3].item(), math.exp(-2 / 7), rel_tol=1e-6)
+    labels = torch.tensor([[IGNORE, 1, 2, IGNORE]])
+    logits = torch.full((1, 4, 5), -10.0)
+    logits[0, 1, 1] = logits[0, 2, 2] = 10.0
+    assert weighted_ce(logits, labels, w).item() < 1e-6
+    logits[0, 2, 2] = -10.0  # slot 2 now uniform over 5 tokens: CE ln 5, weight exp(-1/7)
+    want = math.exp(-1 / 7) * math.log(5) / (1 + math.exp(-1 / 7))
+    assert math.isclose(weighted_ce(logits, labels, w).item(), want, rel_tol=1e-4)
+
+
+def test_accept_lengths_and_anchors():
+    labels = torch.tensor([[IGNORE, 5, 6, 7], [IGNORE, 5, 6, IGNORE], [IGNORE, 1, 2, 3]])
+    props = torch.tensor([[0, 5, 6, 9], [0, 5, 6, 0], [0, 9, 2, 3]])
+    assert accept_lengths(props, labels).tolist() == [2, 2, 0]
+    a = sample_anchors(prompt_len=5, seq_len=12, num=100, rng=random.Random(0))
+    assert a == list(range(5, 11))
+    assert sample_anchors(5, 6, 3, random.Random(0)) == []
+
+
+def test_drafter_loss_goes_down_on_a_fixed_toy_batch():
+    torch.manual_seed(0)
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4)
+    d = build_drafter(tc, cfg, MASK)
+    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    ids = torch.randint(8, 64, (2, 16))
+    feats = torch.randn(2, 16, 64)
+    b = make_blocks(ids, [16, 16], [[2, 6, 9], [4, 8, 11]], 4, MASK)
+    w = position_weights(4, 7.0)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = weighted_ce(d.logits(drafter_forward(d, feats, b)), b.labels, w)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

@@ -213,12 +213,14 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         stats: dict[str, dict] = {}
         samples: dict[str, list[float]] = {m: [] for m in cfg.modes}
         walls: dict[str, list[float]] = {m: [] for m in cfg.modes}
+        cpus: dict[str, list[float]] = {m: [] for m in cfg.modes}
         hf_decoded = None
         for rep in range(cfg.repeats):
             order = cfg.modes[rep % len(cfg.modes):] + cfg.modes[: rep % len(cfg.modes)]
             for mode in order:
                 bar.set_postfix_str(f"c={c} {mode} #{rep + 1}")
                 reqs = workload.requests(n, stop_ids)
+                cpu0 = time.process_time()
                 if mode == "hf":
                     hf = run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs],
                                 c, pair.pad_token_id, stop_ids, progress=bar)
@@ -239,11 +241,14 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                     agg["draft_s"] = engine.stats.draft_seconds
                     agg["verify_s"] = engine.stats.verify_seconds
                     agg["prefill_s"] = engine.stats.prefill_seconds
+                cpu = time.process_time() - cpu0
                 tokens = sum(len(o) for o in outs_ids)
-                runs.append({"mode": mode, "concurrency": c, "repeat": rep, "requests": n,
-                             "generated_tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall})
+                runs.append({"mode": mode, "concurrency": c, "repeat": rep, "requests": n, "generated_tokens": tokens,
+                             "wall_s": wall, "cpu_s": cpu, "throughput_tok_s": tokens / wall,
+                             "tokens_per_cpu_s": tokens / cpu if cpu > 0 else None})
                 samples[mode].append(tokens / wall)
                 walls[mode].append(wall)
+                cpus[mode].append(cpu)
                 if rep == 0:
                     first[mode] = outs_ids
                     stats[mode] = agg or {"requests": n, "generated_tokens": tokens}
@@ -252,6 +257,10 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
             row["throughput_tok_s"] = statistics.median(samples[mode])
             row["throughput_samples"] = samples[mode]
             row["wall_s"] = statistics.median(walls[mode])
+            # CPU seconds of this process: on a shared machine, less disturbed by other jobs than
+            # wall time (with --threads 1 it equals wall time on an idle machine)
+            row["cpu_s"] = statistics.median(cpus[mode])
+            row["tokens_per_cpu_s"] = row["generated_tokens"] / row["cpu_s"] if row["cpu_s"] > 0 else None
             if mode == "hf":
                 row.update(steps=0, accepted_by_position=[0] * max(block - 1, 0), decoded_tokens_incl_padding=hf_decoded,
                            padding_waste=1 - stats[mode]["generated_tokens"] / hf_decoded if hf_decoded else None)
@@ -262,6 +271,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
             for ref in ("hf", "ar"):
                 ref_row = next((r for r in results if r["concurrency"] == c and r["mode"] == ref), None)
                 row[f"speedup_vs_{ref}"] = row["throughput_tok_s"] / ref_row["throughput_tok_s"] if ref_row else None
+                row[f"cpu_speedup_vs_{ref}"] = (row["tokens_per_cpu_s"] / ref_row["tokens_per_cpu_s"]
+                                                if ref_row and row["tokens_per_cpu_s"] and ref_row["tokens_per_cpu_s"] else None)
         if "ar" in first:
             for mode in ("dflash", "adaflash"):
                 if mode not in first:
@@ -307,13 +318,13 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_table(doc: dict) -> str:
-    head = f"{'conc':>5} {'mode':>9} {'reqs':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'vs hf':>6} {'vs ar':>6} {'tau':>5} {'verify eff':>10} {'mean L':>6} {'batch':>6}"
+    head = f"{'conc':>5} {'mode':>9} {'reqs':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'vs hf':>6} {'vs ar':>6} {'tok/cpu-s':>9} {'vs hf':>6} {'tau':>5} {'verify eff':>10} {'mean L':>6} {'batch':>6}"
     lines = [head, "-" * len(head)]
     for r in doc["results"]:
         lines.append(
             f"{r['concurrency']:>5} {r['mode']:>9} {r['requests']:>5} {r['generated_tokens']:>7} {r['wall_s']:>8.2f} "
             f"{r['throughput_tok_s']:>9.1f} {_fmt(r.get('speedup_vs_hf'), '.2f'):>6} {_fmt(r.get('speedup_vs_ar'), '.2f'):>6} "
-            f"{_fmt(r.get('tau'), '.2f'):>5} {_fmt(r.get('verify_efficiency'), '.3f'):>10} {_fmt(r.get('mean_verify_len'), '.2f'):>6} "
+            f"{_fmt(r.get('tokens_per_cpu_s'), '.1f'):>9} {_fmt(r.get('cpu_speedup_vs_hf'), '.2f'):>6} {_fmt(r.get('tau'), '.2f'):>5} {_fmt(r.get('verify_efficiency'), '.3f'):>10} {_fmt(r.get('mean_verify_len'), '.2f'):>6} "
             f"{_fmt(r.get('mean_batch_size'), '.1f'):>6}"
         )
     for r in doc["results"]:

@@ -2,9 +2,9 @@
 
 - create/update/resume of an AdaFlashService: validate the spec, create missing children, adopt
   and update existing ones, patch status.
-- a timer per AdaFlashService (every ADAFLASH_OPERATOR_TICK_SECONDS, default 10): the same
-  reconciliation, then the distillation loop, then one rollout step. Progress lives in the
-  object's status, so a restarted operator resumes.
+- a daemon per AdaFlashService that ticks every ADAFLASH_OPERATOR_TICK_SECONDS (default 10):
+  the same reconciliation, then the distillation loop, then one rollout step. Progress lives in
+  the object's status, so a restarted operator resumes.
 Deletion needs no handler: every child carries an owner reference and the garbage collector
 removes it with the AdaFlashService.
 """
@@ -218,11 +218,41 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
 # The control loop
 
 
-@kopf.timer(**SERVICE, interval=TICK, initial_delay=min(TICK, 1.0))
-async def control_loop(body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
+class _StatusPatch:
+    """What the control loop changes in status, sent as one merge patch per tick."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] = {}
+
+
+# On shutdown the loop finishes its tick (cancellation_backoff) so that status matches what it did.
+@kopf.daemon(**SERVICE, cancellation_backoff=15.0, cancellation_timeout=5.0,
+             initial_delay=min(TICK, 1.0))
+async def control_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                        logger: kopf.Logger, **_: Any) -> None:
-    """Fires every TICK seconds per AdaFlashService: children, distillation, one rollout step."""
-    st = dict(status)
+    """Runs while an AdaFlashService exists; every TICK seconds: children, distillation, one
+    rollout step. It reads the object afresh each tick, so all progress is in its status."""
+    while not stopped:
+        body = await kube.get(c.SERVICE_KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        patch = _StatusPatch()
+        try:
+            await _tick(body, patch, logger)
+        except (kube.ApiError, kopf.TemporaryError, OSError) as e:
+            logger.warning(f"control loop: {e}; retrying in {TICK}s")
+        if patch.status:
+            try:
+                await kube.patch(c.SERVICE_KIND, namespace, name, {"status": patch.status},
+                                 sub="status")
+            except kube.ApiError as e:
+                if e.status != 404:
+                    logger.warning(f"status not saved: {e}")
+        await stopped.wait(TICK)
+
+
+async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
+    st = dict(body.get("status") or {})
     result = await _reconcile(body, st, patch, logger)
     if result is None:
         return
@@ -374,11 +404,16 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
     dvs = [x for x in await kube.list_(c.DRAFTER_KIND, ns, {c.LABEL_SERVICE: name})
            if (x.get("spec") or {}).get("service") == name]
     by_version = {x["spec"]["version"]: x for x in dvs}
+    old_state = st.get("rollout") or {}
+    in_flight = old_state.get("version") if old_state.get("phase") in rollout.ACTIVE else None
+    # A version left in Canary without a rollout in status was interrupted (the operator died
+    # between acting and saving status): it is a candidate again.
     candidates = [_candidate(x) for x in dvs
-                  if (x.get("status") or {}).get("phase") in (None, "Candidate")]
+                  if (x.get("status") or {}).get("phase") in (None, "Candidate")
+                  or ((x.get("status") or {}).get("phase") == "Canary"
+                      and x["spec"]["version"] != in_flight)]
     serving_dv = by_version.get(fleet)
     serving_eval = ((serving_dv or {}).get("spec") or {}).get("eval", {}).get("tau")
-    old_state = st.get("rollout") or {}
     d = rollout.step(cfg=s.rollout, pinned=s.pinned_version, serving=fleet, state=old_state,
                      candidates=candidates, pods=infos, now=now, serving_eval=serving_eval)
     # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).

@@ -168,11 +168,9 @@ def _roll_back(d: Decision, state: dict, pods: list[PodInfo], reason: str, msg: 
 
 def _switch_fleet(d: Decision, old: str, new: str, reason: str, msg: str,
                   fields: dict | None = None) -> None:
-    if old == new:
-        return
     d.serving = new
     d.phases[new] = PhaseChange("Serving", reason, msg, fields or {})
-    if old:
+    if old and old != new:
         d.phases.setdefault(old, PhaseChange("Retired", "Replaced", f"replaced by {new}"))
 
 
@@ -189,9 +187,9 @@ def step(*, cfg: Rollout, pinned: str, serving: str, state: dict | None,
                        f"spec.drafter.pinnedVersion={pinned} stops the rollout of "
                        f"{state['version']}")
         _clear_stray(pods, set(), d)
+        msg = f"fleet pinned to {pinned} (was {serving or 'unset'})"
+        _switch_fleet(d, serving, pinned, "Pinned", msg)  # idempotent: repairs a torn switch
         if pinned != serving:
-            msg = f"fleet pinned to {pinned} (was {serving or 'unset'})"
-            _switch_fleet(d, serving, pinned, "Pinned", msg)
             d.events.append(("Normal", "Pinned", msg))
         if phase in ACTIVE and state.get("version") == pinned:
             for name in state.get("canaryPods") or []:

@@ -21,7 +21,7 @@ os.environ.setdefault("ADAFLASH_OPERATOR_TICK_SECONDS", "0.25")
 from operator_harness import Cluster  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture()
 def cluster() -> Iterator[Cluster]:
     cl = Cluster()
     yield cl

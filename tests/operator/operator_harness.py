@@ -22,6 +22,23 @@ kmock = pytest.importorskip("kmock", reason="pip install -e .[dev] brings kmock"
 logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
 
 
+class _Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator, plus what the API server stamps on every created object (uid,
+    creationTimestamp, generation, resourceVersion): kopf's patches test resourceVersion."""
+
+    async def _handle(self, request):  # type: ignore[no-untyped-def]
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp",
+                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            meta.setdefault("generation", 1)
+            meta.setdefault("resourceVersion", "1")
+        return await super()._handle(request)
+
+
 class Cluster:
     """kmock's Kubernetes emulator on a real TCP port, in its own thread and event loop.
 
@@ -43,7 +60,7 @@ class Cluster:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        emulator = kmock.KubernetesEmulator()
+        emulator = _Emulator()
         emulator.resources.load_bundled()
         emulator.resources[f"{c.API_VERSION}/{c.SERVICE_PLURAL}"] = kmock.ResourceInfo(
             kind=c.SERVICE_KIND, singular="adaflashservice", namespaced=True,
@@ -85,17 +102,13 @@ class Cluster:
     def get(self, kind: str, ns: str, name: str) -> dict | None:
         return self.request("GET", kube.path(kind, ns, name))
 
-    def list(self, kind: str, ns: str, **labels: str) -> list[dict]:
+    def list(self, kind: str, ns: str, labels: dict[str, str] | None = None) -> list[dict]:
         items = (self.request("GET", kube.path(kind, ns)) or {}).get("items") or []
         return [i for i in items if all(
-            (i["metadata"].get("labels") or {}).get(k.replace("__", "/").replace("_", "-")) == v
-            for k, v in labels.items())]
+            (i["metadata"].get("labels") or {}).get(k) == v for k, v in (labels or {}).items())]
 
     def create(self, body: dict) -> dict:
         meta = body.setdefault("metadata", {})
-        meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        meta.setdefault("generation", 1)
         return self.request("POST", kube.path(body["kind"], meta["namespace"]), body)
 
     def patch(self, kind: str, ns: str, name: str, body: dict, sub: str | None = None) -> dict:
@@ -104,6 +117,83 @@ class Cluster:
 
     def delete(self, kind: str, ns: str, name: str) -> None:
         self.request("DELETE", kube.path(kind, ns, name))
+
+
+# --- the parts of Kubernetes that kmock does not run -----------------------------------------
+
+
+def kubelet_start_pods(cl: Cluster, ns: str, deployment: str, *, loaded: str = "v000001",
+                       tau: float | None = 4.0, records: int = 0) -> list[str]:
+    """Play the ReplicaSet controller and the kubelet: ready pods from the Deployment's
+    template, reporting what a serving pod's reload agent would."""
+    dep = cl.get("Deployment", ns, deployment)
+    assert dep is not None, f"no Deployment {deployment}"
+    names = []
+    for i in range(dep["spec"]["replicas"]):
+        name = f"{deployment}-5d8f7-{i}"
+        ann = {c.LOADED_VERSION: loaded, c.TRAFFIC_RECORDS: str(records)}
+        if tau is not None:
+            ann[c.ACCEPTANCE_TAU] = str(tau)
+        cl.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "annotations": ann,
+                         "labels": dep["spec"]["template"]["metadata"]["labels"]},
+            "spec": dep["spec"]["template"]["spec"],
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+        })
+        names.append(name)
+    return names
+
+
+def annotate(cl: Cluster, ns: str, pod: str, **ann: str | None) -> None:
+    """Play a serving pod's reload agent: annotate its own pod (keys: loaded, tau, error,
+    records)."""
+    keys = {"loaded": c.LOADED_VERSION, "tau": c.ACCEPTANCE_TAU, "error": c.LOAD_ERROR,
+            "records": c.TRAFFIC_RECORDS}
+    cl.patch("Pod", ns, pod, {"metadata": {"annotations": {keys[k]: v for k, v in ann.items()}}})
+
+
+def finish_job(cl: Cluster, ns: str, job: str, *, ok: bool, message: str = "",
+               exit_code: int | None = None) -> None:
+    """Play the Job controller and the kubelet: a pod whose container terminated with
+    `message` (the termination log), then the Job's terminal condition."""
+    jb = cl.get("Job", ns, job)
+    assert jb is not None, f"no Job {job}"
+    tmpl = jb["spec"]["template"]
+    cl.create({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{job}-x7k2p", "namespace": ns,
+                     "labels": {**tmpl["metadata"]["labels"], "job-name": job}},
+        "spec": tmpl["spec"],
+        "status": {"phase": "Succeeded" if ok else "Failed", "containerStatuses": [{
+            "name": c.DISTILL_CONTAINER, "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0 if ok else (exit_code or 1),
+                                     "reason": "Completed" if ok else "Error",
+                                     "message": message}}}]},
+    })
+    cond = {"type": "Complete" if ok else "Failed", "status": "True",
+            "reason": "Completed" if ok else "BackoffLimitExceeded",
+            "message": "" if ok else "Job has reached the specified backoff limit"}
+    status = {"conditions": [cond], "succeeded" if ok else "failed": 1}
+    cl.patch("Job", ns, job, {"status": status}, sub="status")
+
+
+def garbage_collect(cl: Cluster, ns: str, kinds: list[str]) -> list[tuple[str, str]]:
+    """Play the garbage collector: delete objects whose owners are gone. Returns what it
+    deleted."""
+    alive = {o["metadata"].get("uid") for kind in kinds for o in cl.list(kind, ns)}
+    gone = []
+    for kind in kinds:
+        for o in cl.list(kind, ns):
+            owners = o["metadata"].get("ownerReferences") or []
+            if owners and all(ref["uid"] not in alive for ref in owners):
+                cl.delete(kind, ns, o["metadata"]["name"])
+                gone.append((kind, o["metadata"]["name"]))
+    return gone
+
+
+def events(cl: Cluster, ns: str) -> list[dict]:
+    return (cl.request("GET", f"/api/v1/namespaces/{ns}/events") or {}).get("items") or []
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 15.0, every: float = 0.05) -> Any:

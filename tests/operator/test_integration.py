@@ -1,13 +1,35 @@
-"""The operator against kmock over real HTTP and watch streams (kopf's KopfRunner)."""
+"""The operator against kmock over real HTTP and watch streams (kopf's KopfRunner).
+
+kmock runs no controllers: the tests play the kubelet (pods of the Deployment, the annotations a
+serving pod's reload agent writes), the Job controller (a pod with a termination message, the
+Job's terminal condition) and the garbage collector.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
+import pytest
 from adaflash_operator import contract as c
 from kopf.testing import KopfRunner
-from operator_harness import Cluster, wait_for
+from operator_harness import (
+    Cluster,
+    annotate,
+    events,
+    finish_job,
+    garbage_collect,
+    kubelet_start_pods,
+    wait_for,
+)
+
+# kmock 0.8 loads its bundled resources with a deprecated importlib call.
+pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
+
+CHILDREN = [("PersistentVolumeClaim", "qwen-home"), ("ConfigMap", "qwen-drafter"),
+            ("ServiceAccount", "qwen-serving"), ("Role", "qwen-serving"),
+            ("RoleBinding", "qwen-serving"), ("Deployment", "qwen"), ("Service", "qwen")]
 
 
 @contextlib.contextmanager
@@ -16,22 +38,270 @@ def operator(namespace: str) -> Iterator[KopfRunner]:
     with KopfRunner(args, timeout=30) as runner:
         yield runner
     assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
 
 
 def afs(namespace: str, name: str = "qwen", **spec_over) -> dict:
     spec = {"model": {"target": "Qwen/Qwen3-8B"}, "replicas": 2,
-            "serving": {"image": "ghcr.io/example/adaflash-sglang:0.1"}}
+            "serving": {"image": "ghcr.io/example/adaflash-sglang:0.1"},
+            "distillation": {"minNewRecords": 100, "backoffSeconds": 1},
+            "rollout": {"canaryFraction": 0.5, "bakeSeconds": 1, "loadTimeoutSeconds": 20}}
     spec.update(spec_over)
     return {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
 
-def test_create_makes_children(cluster: Cluster, namespace: str, kubeconfig) -> None:
-    with operator(namespace):
-        cluster.create(afs(namespace))
-        dep = wait_for("the Deployment", lambda: cluster.get("Deployment", namespace, "qwen"))
-        for kind, name in [("PersistentVolumeClaim", "qwen-home"), ("ConfigMap", "qwen-drafter"),
-                           ("ServiceAccount", "qwen-serving"), ("Role", "qwen-serving"),
-                           ("RoleBinding", "qwen-serving"), ("Service", "qwen")]:
-            wait_for(f"{kind} {name}", lambda k=kind, n=name: cluster.get(k, namespace, n))
-    assert dep["spec"]["replicas"] == 2
+def report(version: str = "v000002", tau: float = 5.0, parent_tau: float = 4.5) -> str:
+    return json.dumps({
+        "version": version, "parent": "v000001", "created": "2026-11-30T09:00:00Z",
+        "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
+        "training": {"algorithm": "opd-rkl", "records": 200, "steps": 20, "finalLoss": 0.4},
+        "eval": {"tau": {"chat": tau, "code": tau + 1}, "parentTau": {"chat": parent_tau,
+                                                                     "code": parent_tau + 1}},
+    })
+
+
+def status(cl: Cluster, ns: str, name: str = "qwen") -> dict:
+    return (cl.get(c.SERVICE_KIND, ns, name) or {}).get("status") or {}
+
+
+def condition(cl: Cluster, ns: str, type_: str) -> dict:
+    return next((x for x in status(cl, ns).get("conditions") or [] if x["type"] == type_), {})
+
+
+def dv_phase(cl: Cluster, ns: str, version: str) -> str | None:
+    dv = cl.get(c.DRAFTER_KIND, ns, f"qwen-{version}")
+    return ((dv or {}).get("status") or {}).get("phase")
+
+
+def fleet_version(cl: Cluster, ns: str) -> str:
+    return cl.get("ConfigMap", ns, "qwen-drafter")["data"][c.FLEET_VERSION_KEY]
+
+
+def desired(cl: Cluster, ns: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["annotations"].get(c.DESIRED_VERSION)
+            for p in cl.list("Pod", ns, {c.LABEL_COMPONENT: "serving"})
+            if p["metadata"]["annotations"].get(c.DESIRED_VERSION)}
+
+
+def publish(cl: Cluster, ns: str, pods: list[str], rep: str, job: str = "qwen-distill-1-1") -> None:
+    """Traffic reaches the trigger, the operator starts a Job, and the Job publishes `rep`."""
+    for p in pods:
+        annotate(cl, ns, p, records="60")
+    wait_for(f"Job {job}", lambda: cl.get("Job", ns, job))
+    finish_job(cl, ns, job, ok=True, message=rep)
+
+
+def test_create_makes_children_and_applies_spec_changes(cluster: Cluster, namespace: str,
+                                                        kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        owner = cluster.create(afs(ns))
+        for kind, name in CHILDREN:
+            wait_for(f"{kind} {name}", lambda k=kind, n=name: cluster.get(k, ns, n))
+        uid = owner["metadata"]["uid"]
+        for kind, name in CHILDREN:
+            refs = cluster.get(kind, ns, name)["metadata"]["ownerReferences"]
+            assert refs == [{"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND, "name": "qwen",
+                             "uid": uid, "controller": True, "blockOwnerDeletion": True}], kind
+        assert fleet_version(cluster, ns) == "v000001"
+        kubelet_start_pods(cluster, ns, "qwen")
+        wait_for("2 ready pods in status", lambda: status(cluster, ns).get("readyReplicas") == 2)
+        st = status(cluster, ns)
+        assert st["servingVersion"] == "v000001" and st["tau"] == 4.0
+        assert st["selector"] == f"{c.LABEL_SERVICE}=qwen,{c.LABEL_COMPONENT}=serving"
+        assert condition(cluster, ns, "Ready")["status"] == "True"
+        assert [p["loadedVersion"] for p in st["pods"]] == ["v000001", "v000001"]
+
+        # Spec changes reach the children in place.
+        cluster.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {
+            "replicas": 3, "serving": {"extraArgs": ["--mem-fraction-static", "0.8"]}}})
+        dep = wait_for("the Deployment to follow the spec", lambda: (
+            d := cluster.get("Deployment", ns, "qwen"))["spec"]["replicas"] == 3 and d)
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[-2:] == ["--mem-fraction-static", "0.8"]
+
+        # A child deleted by hand comes back.
+        cluster.delete("Service", ns, "qwen")
+        wait_for("the Service to be recreated", lambda: cluster.get("Service", ns, "qwen"))
+
+
+def test_job_success_gate_canary_promote(cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen", tau=4.0)
+        wait_for("the pods in status", lambda: status(cluster, ns).get("readyReplicas") == 2)
+        assert cluster.get("Job", ns, "qwen-distill-1-1") is None  # 0 < 100 records
+        publish(cluster, ns, pods, report("v000002", tau=5.0, parent_tau=4.5))
+
+        wait_for("the candidate to go canary", lambda: dv_phase(cluster, ns, "v000002") == "Canary")
+        dv = cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002")
+        assert dv["spec"]["parent"] == "v000001" and dv["spec"]["jobName"] == "qwen-distill-1-1"
+        assert dv["metadata"]["ownerReferences"][0]["name"] == "qwen"
+        assert dv["status"]["evalTau"] == 5.5 and dv["status"]["baselineTau"] == 5.0
+        canary = wait_for("one canary pod", lambda: desired(cluster, ns))
+        assert list(canary.values()) == ["v000002"] and len(canary) == 1
+        assert fleet_version(cluster, ns) == "v000001"
+        assert status(cluster, ns)["candidateVersion"] == "v000002"
+
+        (pod,) = canary
+        annotate(cluster, ns, pod, loaded="v000002", tau="4.6")
+        wait_for("promotion", lambda: dv_phase(cluster, ns, "v000002") == "Serving")
+        assert fleet_version(cluster, ns) == "v000001" or True  # read below, after status
+        wait_for("the fleet ConfigMap", lambda: fleet_version(cluster, ns) == "v000002")
+        wait_for("canary annotations removed", lambda: desired(cluster, ns) == {})
+        st = wait_for("status", lambda: (s := status(cluster, ns))["servingVersion"] == "v000002"
+                      and s)
+        assert st["latestVersion"] == "v000002" and st["rollout"]["phase"] == "Promoted"
+        assert cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002")["status"]["liveTau"] == 4.6
+        history = [h["phase"] for h in dv_history(cluster, ns, "v000002")]
+        assert history == ["Candidate", "Canary", "Serving"]
+        reasons = {e.get("reason") for e in events(cluster, ns)}
+        assert {"DistillationStarted", "Published", "GatePassed", "CanaryStarted",
+                "Promoted"} <= reasons
+
+        # Roll back by editing the spec: pin the previous version.
+        cluster.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"drafter": {"pinnedVersion": "v000001"}}})
+        wait_for("the pin", lambda: fleet_version(cluster, ns) == "v000001")
+        wait_for("v000002 retired", lambda: dv_phase(cluster, ns, "v000002") == "Retired")
+
+
+def dv_history(cl: Cluster, ns: str, version: str) -> list[dict]:
+    return cl.get(c.DRAFTER_KIND, ns, f"qwen-{version}")["status"]["history"]
+
+
+def test_worse_candidate_is_rejected(cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns, rollout={"minTauGain": 0.02, "bakeSeconds": 1}))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        publish(cluster, ns, pods, report("v000002", tau=4.55, parent_tau=4.5))  # +1%, need +2%
+        wait_for("rejection", lambda: dv_phase(cluster, ns, "v000002") == "Rejected")
+        dv = cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002")
+        assert dv["status"]["reason"] == "GateFailed"
+        assert "< required" in dv["status"]["message"]
+        assert desired(cluster, ns) == {} and fleet_version(cluster, ns) == "v000001"
+        assert status(cluster, ns)["rollout"]["phase"] == "Rejected"
+
+
+def test_load_failure_during_canary_rolls_back(cluster: Cluster, namespace: str,
+                                               kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        publish(cluster, ns, pods, report("v000002"))
+        canary = wait_for("a canary pod", lambda: desired(cluster, ns))
+        (pod,) = canary
+        annotate(cluster, ns, pod, error="v000002: hidden size 2048 does not match 4096")
+        wait_for("rollback", lambda: dv_phase(cluster, ns, "v000002") == "RolledBack")
+        dv = cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002")
+        assert dv["status"]["reason"] == "LoadFailed" and pod in dv["status"]["message"]
+        wait_for("annotation removed", lambda: desired(cluster, ns) == {})
+        assert fleet_version(cluster, ns) == "v000001"
+        deg = wait_for("Degraded", lambda: (d := condition(cluster, ns, "Degraded")).get(
+            "status") == "True" and d)
+        assert deg["reason"] == "LoadFailed"
+
+
+def test_job_failure_is_retried_with_condition(cluster: Cluster, namespace: str,
+                                               kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        for p in pods:
+            annotate(cluster, ns, p, records="60")
+        wait_for("the first Job", lambda: cluster.get("Job", ns, "qwen-distill-1-1"))
+        finish_job(cluster, ns, "qwen-distill-1-1", ok=False, exit_code=3,
+                   message="CUDA out of memory")
+        cond = wait_for("DistillationFailed", lambda: (
+            d := condition(cluster, ns, "DistillationFailed")).get("status") == "True" and d)
+        assert cond["reason"] == "JobFailed"
+        assert "qwen-distill-1-1" in cond["message"] and "CUDA out of memory" in cond["message"]
+        assert status(cluster, ns)["distillation"]["consecutiveFailures"] == 1
+        # After the backoff (1 s) the same round is tried again, whatever the traffic.
+        wait_for("the retry", lambda: cluster.get("Job", ns, "qwen-distill-1-2"), timeout=10)
+        assert cluster.get("Job", ns, "qwen-distill-2-1") is None
+        # A bad report is a failure too, with a message that says what the Job must write.
+        finish_job(cluster, ns, "qwen-distill-1-2", ok=True, message="done!")
+        wait_for("the report error", lambda: "not JSON" in condition(
+            cluster, ns, "DistillationFailed").get("message", ""))
+        wait_for("the third try", lambda: cluster.get("Job", ns, "qwen-distill-1-3"), timeout=10)
+        finish_job(cluster, ns, "qwen-distill-1-3", ok=True, message=report("v000002"))
+        wait_for("recovery", lambda: condition(cluster, ns, "DistillationFailed").get(
+            "status") == "False")
+        assert status(cluster, ns)["distillation"]["consecutiveFailures"] == 0
+        assert len(cluster.list("Job", ns)) == 3  # never two at a time, no extra Job
+
+
+def test_restart_mid_rollout_resumes(cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        publish(cluster, ns, pods, report("v000002"))
+        canary = wait_for("a canary pod", lambda: desired(cluster, ns))
+    # The operator is down while the canary pod loads the candidate.
+    (pod,) = canary
+    annotate(cluster, ns, pod, loaded="v000002", tau="4.2")
+    assert status(cluster, ns)["rollout"]["phase"] == "Canary"
+    with operator(ns):
+        wait_for("promotion after the restart", lambda: dv_phase(cluster, ns, "v000002") ==
+                 "Serving")
+        wait_for("the fleet ConfigMap", lambda: fleet_version(cluster, ns) == "v000002")
+        phases = [h["phase"] for h in dv_history(cluster, ns, "v000002")]
+        assert phases == ["Candidate", "Canary", "Serving"]  # no second canary
+    assert len(cluster.list("Job", ns)) == 1
+    assert len(cluster.list(c.DRAFTER_KIND, ns)) == 1
+
+
+def test_delete_removes_children_through_owner_references(cluster: Cluster, namespace: str,
+                                                          kubeconfig) -> None:
+    ns = namespace
+    kinds = [k for k, _ in CHILDREN] + ["Job", c.DRAFTER_KIND, c.SERVICE_KIND]
+    with operator(ns):
+        cluster.create(afs(ns))
+        for kind, name in CHILDREN:
+            wait_for(f"{kind} {name}", lambda k=kind, n=name: cluster.get(k, ns, n))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        publish(cluster, ns, pods, report("v000002"))
+        wait_for("the DrafterVersion", lambda: cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002"))
+        cluster.delete(c.SERVICE_KIND, ns, "qwen")
+        wait_for("the AdaFlashService gone", lambda: cluster.get(c.SERVICE_KIND, ns, "qwen")
+                 is None)
+        gone = garbage_collect(cluster, ns, kinds)
+        assert sorted(gone) == sorted(CHILDREN + [("Job", "qwen-distill-1-1"),
+                                                  (c.DRAFTER_KIND, "qwen-v000002")])
+        for kind, name in CHILDREN:
+            assert cluster.get(kind, ns, name) is None
+        # The operator does not bring anything back.
+        import time
+        time.sleep(1.0)
+        assert all(cluster.get(k, ns, n) is None for k, n in CHILDREN)
+
+
+def test_invalid_spec_shows_a_condition(cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        # kmock has no schema validation, as a cluster with a stale CRD would not.
+        cluster.create(afs(ns, serving={"image": "x", "blockSize": 1},
+                           rollout={"canaryFraction": 1.5}))
+        cond = wait_for("Ready=False", lambda: (d := condition(cluster, ns, "Ready")).get(
+            "status") == "False" and d)
+        assert cond["reason"] == "InvalidSpec"
+        assert "spec.serving.blockSize" in cond["message"]
+        assert "spec.rollout.canaryFraction" in cond["message"]
+        assert cluster.get("Deployment", ns, "qwen") is None
+        # Fixing the spec heals it.
+        cluster.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"serving": {"blockSize": 16},
+                                                             "rollout": {"canaryFraction": 0.5}}})
+        wait_for("the Deployment after the fix", lambda: cluster.get("Deployment", ns, "qwen"))
+        wait_for("Ready condition updated", lambda: condition(cluster, ns, "Ready").get(
+            "reason") != "InvalidSpec")

@@ -14,10 +14,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), normalised in float32 for half types (as the HF Qwen3/Llama norms)."""
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel
 
 
 def rope_cos_sin(

@@ -183,9 +183,9 @@ class SpecEngine:
         offset = len(self.running)
         self.running.extend(joined)
         batch = TargetBatch.from_lists([s.req.prompt_ids for s in joined], [0] * len(joined), self.device, offset)
-        logits, aux = self.target.forward(batch, self.cache)
         last_rows = batch.q_lens.cumsum(0) - 1
-        first = self._sample_rows(logits[last_rows], joined)
+        logits, aux = self.target.forward(batch, self.cache, logits_rows=last_rows)
+        first = self._sample_rows(logits, joined)
         if self.proposer is not None and aux is not None:
             self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, offset)
         for i, (seq, tok) in enumerate(zip(joined, first.tolist())):

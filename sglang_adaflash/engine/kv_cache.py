@@ -44,6 +44,13 @@ class SlotKVCache:
         self.k[layer][slots, :, pos] = k.transpose(1, 2)
         self.v[layer][slots, :, pos] = v.transpose(1, 2)
 
+    def write_flat(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store packed entries: slots, positions [T]; k/v [T, kvh, hd]."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
     def view(
         self, layer: int, bs: int, length: int, offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:

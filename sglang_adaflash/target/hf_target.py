@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..drafter.layers import apply_rope, attention
+from ..drafter.layers import apply_rope, attention, rms_norm
 from ..engine.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -142,59 +142,83 @@ class HFTarget:
 
     # -- the ragged forward -----------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: TargetBatch, cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns logits [T, V] and captured hidden states [T, K*H] (or None), T = sum(q_lens).
+    def forward(
+        self, batch: TargetBatch, cache: SlotKVCache, logits_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits [T, V] (or [len(logits_rows), V]) and captured hidden states [T, K*H]
+        (or None), T = sum(q_lens).
 
         Rows are packed request by request in order. Writes each token's K/V into the cache at its
         position; the caller commits by setting cache lengths afterwards.
         """
         valid = batch.valid
         positions = batch.positions
-        flat_pos = positions[valid]  # [T]
-        x = self.embed_tokens(batch.input_ids[valid])  # [T, H]
+        uniform = batch.input_ids.numel() == int(batch.q_lens.sum())  # no padding: views suffice
+        flat_pos = positions.reshape(-1) if uniform else positions[valid]  # [T]
+        slots = batch.slot_offset + torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
+        flat_slots = slots.reshape(-1) if uniform else slots[valid]  # [T]
+        x = self.embed_tokens(batch.input_ids.reshape(-1) if uniform else batch.input_ids[valid])  # [T, H]
         cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
         kv_len = int((batch.starts + batch.q_lens).max())
         # key position <= query position; padded queries see key 0 only (their output is dropped)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
-        captured = []
+        ctx = _Step(batch, None if uniform else valid, flat_slots, flat_pos, cache, kv_len, mask, cos[0, :, None], sin[0, :, None])
+        captured = {}
         capture = set(self.capture_layer_ids)
         for i, layer in enumerate(self.backbone.layers):
-            x = x + self._attention(layer, i, layer.input_layernorm(x), cos[0], sin[0], batch, valid, cache, kv_len, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._attention(layer, i, _norm(layer.input_layernorm, x), ctx)
+            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
             if i in capture:
-                captured.append((i, x))
-        x = self.backbone.norm(x)
-        logits = self.lm_head(x)
+                captured[i] = x
+        x = _norm(self.backbone.norm, x)
         if self.num_layers - 1 in capture:  # HF's last hidden_states entry is the normed one
-            captured[-1] = (self.num_layers - 1, x)
+            captured[self.num_layers - 1] = x
+        logits = self.lm_head(x if logits_rows is None else x[logits_rows])
         aux = None
         if self.capture_layer_ids:
-            by_id = dict(captured)
-            aux = torch.cat([by_id[i] for i in self.capture_layer_ids], dim=-1)
+            aux = torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1)
         return logits, aux
 
-    def _attention(self, layer, idx, h, cos, sin, batch, valid, cache, kv_len, mask):
+    def _attention(self, layer, idx: int, h: torch.Tensor, ctx: _Step) -> torch.Tensor:
         attn = layer.self_attn
-        t = h.shape[0]
-        hd = self.head_dim
+        t, hd = h.shape[0], self.head_dim
         q = attn.q_proj(h).view(t, -1, hd)
         k = attn.k_proj(h).view(t, -1, hd)
         v = attn.v_proj(h).view(t, -1, hd)
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q, cos[:, None], sin[:, None])
-        k = apply_rope(k, cos[:, None], sin[:, None])
-        bs, qmax = valid.shape
-        q_pad = q.new_zeros(bs, qmax, q.shape[1], hd)
-        q_pad[valid] = q
-        k_pad = k.new_zeros(bs, qmax, k.shape[1], hd)
-        k_pad[valid] = k
-        v_pad = v.new_zeros(bs, qmax, v.shape[1], hd)
-        v_pad[valid] = v
-        off = batch.slot_offset
-        cache.write(idx, batch.positions, k_pad.transpose(1, 2), v_pad.transpose(1, 2), offset=off)
-        ck, cv = cache.view(idx, bs, kv_len, offset=off)
-        out = attention(q_pad.transpose(1, 2), ck, cv, mask, scale=getattr(attn, "scaling", None))
-        out = out.transpose(1, 2)[valid].reshape(t, -1)  # [T, nh*hd]
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        ctx.cache.write_flat(idx, ctx.slots, ctx.positions, k, v)
+        bs, qmax = ctx.batch.input_ids.shape
+        if ctx.valid is None:
+            q_pad = q.view(bs, qmax, -1, hd)
+        else:
+            q_pad = q.new_zeros(bs, qmax, q.shape[1], hd)
+            q_pad[ctx.valid] = q
+        ck, cv = ctx.cache.view(idx, bs, ctx.kv_len, offset=ctx.batch.slot_offset)
+        out = attention(q_pad.transpose(1, 2), ck, cv, ctx.mask, scale=getattr(attn, "scaling", None))
+        out = out.transpose(1, 2)
+        out = out.reshape(t, -1) if ctx.valid is None else out[ctx.valid].reshape(t, -1)  # [T, nh*hd]
         return attn.o_proj(out)
+
+
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Qwen3/Llama RMSNorm computed by our fused helper (same maths, fewer kernels)."""
+    return rms_norm(x, module.weight, module.variance_epsilon)
+
+
+@dataclass
+class _Step:
+    """Per-forward values every layer's attention needs."""
+
+    batch: TargetBatch
+    valid: torch.Tensor | None  # [bs, Q] bool, None when no request is padded
+    slots: torch.Tensor  # [T] cache slot of each packed token
+    positions: torch.Tensor  # [T]
+    cache: SlotKVCache
+    kv_len: int
+    mask: torch.Tensor  # [bs, 1, Q, S]
+    cos: torch.Tensor  # [T, 1, hd]
+    sin: torch.Tensor

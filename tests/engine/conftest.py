@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from sglang_adaflash.drafter.config import DrafterConfig
 from sglang_adaflash.drafter.model import DFlashDrafter
@@ -14,13 +14,14 @@ VOCAB = 96
 MASK_ID = VOCAB - 1
 
 
-def tiny_target(seed=0, vocab=VOCAB, layers=3, dtype=torch.float64) -> HFTarget:
+def tiny_target(seed=0, vocab=VOCAB, layers=3, dtype=torch.float64, family="qwen3") -> HFTarget:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    cfg = config_cls(
         hidden_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=12, intermediate_size=96, vocab_size=vocab, max_position_embeddings=512,
     )
-    return HFTarget(Qwen3ForCausalLM(cfg).to(dtype).eval())
+    return HFTarget(model_cls(cfg).to(dtype).eval())
 
 
 def drafter_config(vocab=VOCAB, block_size=8, layers=1, head=True, target_layers=3) -> DrafterConfig:

@@ -8,7 +8,7 @@ from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.engine.sampling import SamplingParams
 
-from .conftest import OracleProposer
+from .conftest import OracleProposer, tiny_drafter, tiny_target
 
 
 def _prompts(n, seed=3, lo=2, hi=14, vocab=90):
@@ -38,6 +38,17 @@ def test_ar_equals_hf_generate(target):
     for p, n, o in zip(prompts, max_new, outs):
         assert o.output_ids == _hf_greedy(target, p, n)
         assert len(o.output_ids) == n and o.finish_reason == "length"
+
+
+def test_llama_target_is_lossless():
+    target = tiny_target(seed=2, family="llama")
+    prompts = _prompts(3, seed=4)
+    max_new = [7, 12, 4]
+    ar = _run(target, None, "ar", prompts, max_new, 2)
+    for p, n, o in zip(prompts, max_new, ar):
+        assert o.output_ids == _hf_greedy(target, p, n)
+    spec = _run(target, tiny_drafter(), "adaflash", prompts, max_new, 2)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
 
 
 @pytest.mark.parametrize("mode", ["dflash", "adaflash"])

@@ -1,0 +1,198 @@
+"""Pure pieces: spec validation and defaults, manifest builders, the distillation trigger and
+Job report, conditions."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from adaflash_operator import contract as c
+from adaflash_operator import distill, manifests
+from adaflash_operator.conditions import is_subset, replace_patch, set_condition
+from adaflash_operator.spec import InvalidSpec, parse
+
+MIN = {"model": {"target": "Qwen/Qwen3-8B"}, "serving": {"image": "img:1"}}
+OWNER = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+         "metadata": {"name": "qwen", "namespace": "ml", "uid": "u-1"}}
+
+
+def test_defaults_come_from_the_crd_schema() -> None:
+    s = parse(MIN)
+    assert (s.replicas, s.block_size, s.port, s.gpus) == (1, 16, 30000, 1)
+    assert s.initial_version == "v000001" and s.pinned_version == ""
+    assert s.access_mode == "ReadWriteMany" and s.storage_size == "200Gi"
+    assert s.distillation.image == "img:1" and s.distillation.min_new_records == 128
+    assert s.rollout.canary_fraction == 0.25 and s.rollout.auto_promote
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"model": {}}, "spec.model: 'target' is a required property"),
+    ({"serving": {"image": "i", "blockSize": 65}}, "spec.serving.blockSize"),
+    ({"drafter": {"pinnedVersion": "latest"}}, "spec.drafter.pinnedVersion"),
+    ({"rollout": {"canaryFraction": 0}}, "spec.rollout.canaryFraction"),
+    ({"storage": {"accessMode": "ReadWriteMostly"}}, "spec.storage.accessMode"),
+    ({"distillation": {"backoffSeconds": 100, "maxBackoffSeconds": 10}}, "maxBackoffSeconds"),
+    ({"replicas": "two"}, "spec.replicas"),
+])
+def test_invalid_specs_say_which_field(over: dict, needle: str) -> None:
+    with pytest.raises(InvalidSpec, match="Fix the AdaFlashService spec") as e:
+        parse({**MIN, **over})
+    assert needle in str(e.value)
+
+
+def test_deployment_follows_the_hot_reload_contract() -> None:
+    s = parse({**MIN, "replicas": 3, "serving": {
+        "image": "img:1", "gpus": 2, "blockSize": 8, "extraArgs": ["--mem-fraction-static", "0.8"],
+        "resources": {"limits": {"memory": "64Gi"}}}})
+    dep = manifests.deployment(OWNER, s)
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["selector"]["matchLabels"] == {c.LABEL_SERVICE: "qwen",
+                                                      c.LABEL_COMPONENT: "serving"}
+    pod = dep["spec"]["template"]["spec"]
+    (ctr,) = pod["containers"]
+    args = ctr["args"]
+    assert ctr["command"] == ["python", "-m", "sglang.launch_server"]
+    assert args[args.index("--speculative-algorithm") + 1] == "ADAFLASH"
+    assert args[args.index("--speculative-draft-model-path") + 1] == \
+        "/var/lib/adaflash/drafters/v000001"
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "8"
+    assert args[args.index("--tp-size") + 1] == "2"
+    assert args[-2:] == ["--mem-fraction-static", "0.8"]
+    assert ctr["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["ADAFLASH_HOME"]["value"] == c.HOME
+    assert env[c.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    mounts = {m["name"]: m["mountPath"] for m in ctr["volumeMounts"]}
+    assert mounts["home"] == c.HOME
+    assert c.FLEET_VERSION_FILE.startswith(mounts["fleet"] + "/")
+    assert c.POD_ANNOTATIONS_FILE.startswith(mounts["podinfo"] + "/")
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["fleet"]["configMap"]["name"] == "qwen-drafter"
+    assert vols["podinfo"]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations"
+    assert vols["home"]["persistentVolumeClaim"]["claimName"] == "qwen-home"
+    assert pod["serviceAccountName"] == "qwen-serving"
+    sc = ctr["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert pod["securityContext"]["runAsNonRoot"]
+    assert ctr["startupProbe"]["failureThreshold"] * ctr["startupProbe"]["periodSeconds"] == 1800
+
+
+def test_every_child_is_owned_by_the_service() -> None:
+    s = parse(MIN)
+    ref = manifests.owner_reference(OWNER)
+    assert ref == {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND, "name": "qwen",
+                   "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
+    built = [manifests.pvc(OWNER, s), manifests.configmap(OWNER, "v000001"),
+             manifests.service_account(OWNER), manifests.role(OWNER),
+             manifests.role_binding(OWNER), manifests.deployment(OWNER, s),
+             manifests.service(OWNER, s), manifests.job(OWNER, s, 1, 1, "v000001"),
+             manifests.drafter_version(OWNER, {"version": "v000002"}, "qwen-distill-1-1")]
+    for m in built:
+        assert m["metadata"]["ownerReferences"] == [ref], m["kind"]
+        assert m["metadata"]["namespace"] == "ml"
+        assert m["metadata"]["labels"][c.LABEL_SERVICE] == "qwen"
+
+
+def test_serving_role_can_only_get_and_patch_pods() -> None:
+    assert manifests.role(OWNER)["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+
+
+def test_existing_claim_is_used_as_is() -> None:
+    s = parse({**MIN, "storage": {"existingClaim": "shared"}})
+    vols = manifests.deployment(OWNER, s)["spec"]["template"]["spec"]["volumes"]
+    assert vols[0]["persistentVolumeClaim"]["claimName"] == "shared"
+
+
+def test_job_reports_through_its_termination_message() -> None:
+    s = parse({**MIN, "distillation": {"gpus": 4, "extraArgs": ["--epochs", "2"]}})
+    job = manifests.job(OWNER, s, 3, 2, "v000004")
+    assert job["metadata"]["name"] == "qwen-distill-3-2" and job["spec"]["backoffLimit"] == 0
+    (ctr,) = job["spec"]["template"]["spec"]["containers"]
+    assert ctr["command"] == ["python", "-m", "training_job.distill"]
+    assert ctr["args"][ctr["args"].index("--parent") + 1] == "v000004"
+    assert ctr["args"][-2:] == ["--epochs", "2"]
+    assert ctr["terminationMessagePath"] == c.TERMINATION_LOG
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert job["spec"]["template"]["metadata"]["labels"]["adaflash.io/distill-job"] == \
+        "qwen-distill-3-2"
+
+
+def test_new_records_survive_pod_restarts_and_churn() -> None:
+    assert distill.new_records({"a": 50, "b": 30}, {"a": 40, "b": 10}) == 30
+    assert distill.new_records({"a": 5}, {"a": 40}) == 5  # restarted: counter went down
+    assert distill.new_records({"c": 7}, {"a": 40}) == 7  # a new pod
+
+
+def test_trigger() -> None:
+    d = parse({**MIN, "distillation": {"minNewRecords": 10, "intervalSeconds": 600}}).distillation
+    now = dt.datetime(2026, 11, 30, 9, tzinfo=dt.timezone.utc)
+    recent, old = now - dt.timedelta(seconds=60), now - dt.timedelta(seconds=601)
+    kw = dict(active_job=None, retry_after=None, now=now)
+    assert distill.should_start(d, new=10, last_round_at=recent, **kw).reason == "Records"
+    assert distill.should_start(d, new=9, last_round_at=old, **kw).reason == "Interval"
+    assert not distill.should_start(d, new=9, last_round_at=recent, **kw).start
+    assert distill.should_start(d, new=99, last_round_at=old, active_job="j", retry_after=None,
+                                now=now).reason == "Running"
+    later = now + dt.timedelta(seconds=5)
+    assert distill.should_start(d, new=0, last_round_at=recent, active_job=None,
+                                retry_after=later, now=now, retrying=True).reason == "Backoff"
+    assert distill.should_start(d, new=0, last_round_at=recent, active_job=None,
+                                retry_after=now, now=now, retrying=True).reason == "Retry"
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [distill.backoff_seconds(n, 60, 300) for n in (1, 2, 3, 4)] == [60, 120, 240, 300]
+
+
+@pytest.mark.parametrize("status,want", [
+    ({}, "running"),
+    ({"active": 1}, "running"),
+    ({"conditions": [{"type": "Complete", "status": "True"}]}, "succeeded"),
+    ({"succeeded": 1}, "succeeded"),
+    ({"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]},
+     "failed"),
+    ({"failed": 1}, "failed"),
+])
+def test_job_outcome(status: dict, want: str) -> None:
+    assert distill.job_outcome({"status": status})[0] == want
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (None, "wrote no report"),
+    ("oops", "not JSON"),
+    ("[1]", "JSON object"),
+    ('{"version": "2"}', "look like v000002"),
+    ('{"version": "v000002", "parent": "x"}', "parent"),
+    ('{"version": "v000002", "eval": {"tau": {"chat": -1}}}', "eval.tau"),
+])
+def test_bad_reports_say_what_to_write(msg: str | None, needle: str) -> None:
+    with pytest.raises(distill.ReportError, match=needle):
+        distill.parse_report(msg)
+
+
+def test_report_becomes_a_drafter_version() -> None:
+    rep = distill.parse_report(json.dumps({"version": "v000002", "parent": "v000001",
+                                           "eval": {"tau": {"chat": 5.0}}}))
+    dv = manifests.drafter_version(OWNER, rep, "qwen-distill-1-1")
+    assert dv["metadata"]["name"] == "qwen-v000002"
+    assert dv["spec"] == {"service": "qwen", "version": "v000002", "jobName": "qwen-distill-1-1",
+                          "parent": "v000001", "eval": {"tau": {"chat": 5.0}}}
+
+
+def test_conditions_keep_transition_time_until_status_changes() -> None:
+    conds = set_condition(None, "Ready", True, "A", "a", "t1", 1)
+    conds = set_condition(conds, "Ready", True, "B", "b", "t2", 2)
+    assert conds == [{"type": "Ready", "status": "True", "reason": "B", "message": "b",
+                      "lastTransitionTime": "t1", "observedGeneration": 2}]
+    conds = set_condition(conds, "Ready", False, "C", "c", "t3")
+    assert conds[0]["lastTransitionTime"] == "t3"
+
+
+def test_patch_helpers() -> None:
+    assert replace_patch({"a": 1, "b": 2}, {"a": 3}) == {"b": None, "a": 3}
+    assert is_subset({"x": [{"y": 1}]}, {"x": [{"y": 1, "z": 2}], "w": 0})
+    assert not is_subset({"x": [1, 2]}, {"x": [1]})
+    assert is_subset({"gpu": 1}, {"gpu": "1"})

@@ -21,7 +21,9 @@ def tiny_target(seed=0, vocab=VOCAB, layers=3, dtype=torch.float64, family="qwen
         hidden_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=12, intermediate_size=96, vocab_size=vocab, max_position_embeddings=512,
     )
-    return HFTarget(model_cls(cfg).to(dtype).eval())
+    model = model_cls(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # Llama's default eos would stop HF generate early
+    return HFTarget(model)
 
 
 def drafter_config(vocab=VOCAB, block_size=8, layers=1, head=True, target_layers=3) -> DrafterConfig:

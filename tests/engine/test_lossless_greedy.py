@@ -18,7 +18,7 @@ def _prompts(n, seed=3, lo=2, hi=14, vocab=90):
 
 def _hf_greedy(target, prompt, n):
     out = target.model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
     )
     return out[0, len(prompt):].tolist()
 

@@ -216,16 +216,19 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         return reloader
 
     def _refresh_derived_draft_state(self) -> None:
-        helper = getattr(self, "_fused_kv_helper", None)
+        helper = self.__dict__.get("_fused_kv_helper")  # no __getattr__ forwarding
         refresh_fused_kv_helper(helper, self.draft_model.layers)
 
     # -- the three seams -----------------------------------------------------------------------
 
     @property
     def target_worker(self):
-        # getattr: SGLang's __init__ reads this property before our attributes exist.
-        step = getattr(self, "_ada_step", None)
-        if step is not None and getattr(self, "_ada_mode", None) == VERIFY_COMPACT:
+        # Read __dict__ directly: SGLang's __init__ reads this property before our attributes
+        # exist, and DFlashWorkerV2.__getattr__ forwards missing names to target_worker, which
+        # would recurse.
+        state = self.__dict__
+        step = state.get("_ada_step")
+        if step is not None and state.get("_ada_mode") == VERIFY_COMPACT:
             return _CompactVerifyTarget(self._target_worker, self)
         return self._target_worker
 
@@ -301,7 +304,13 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             and not step.plan.is_uniform
             and self._ada_mode in (VERIFY_COMPACT, VERIFY_CAP)
         ):
-            candidates = lb.cap_candidates(candidates, step.verify_lens_device)
+            capped = lb.cap_candidates(candidates, step.verify_lens_device)
+            accept_len, commit_lens, bonus, out_tokens, new_seq_lens = super()._accept_block(
+                candidates=capped, **kwargs
+            )
+            # Slots past the commit keep shifted candidates; never let the marker leak out.
+            out_tokens.clamp_(min=0)
+            return accept_len, commit_lens, bonus, out_tokens, new_seq_lens
         return super()._accept_block(candidates=candidates, **kwargs)
 
     def _compact_verify(self, real_target, full_forward_batch, kwargs):

@@ -1,0 +1,68 @@
+{{/* Full name of the release's objects, at most 63 characters. */}}
+{{- define "adaflash.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "adaflash.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "adaflash.labels" -}}
+{{ include "adaflash.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: adaflash
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "adaflash.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "adaflash.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "adaflash.image" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- end -}}
+
+{{/* The operator's permissions; bound cluster-wide or per watched namespace. */}}
+{{- define "adaflash.rules" -}}
+# Its own resources: watch AdaFlashServices, record DrafterVersions.
+- apiGroups: ["adaflash.io"]
+  resources: ["adaflashservices"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["adaflash.io"]
+  resources: ["adaflashservices/status", "drafterversions/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["adaflash.io"]
+  resources: ["drafterversions"]
+  verbs: ["get", "list", "create", "patch"]
+# Children it creates, adopts and updates (never deletes: owner references do).
+- apiGroups: [""]
+  resources: ["configmaps", "services", "serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+# Serving pods: read what they report, annotate canaries. The serving pods' own Role grants
+# get/patch on pods, which the operator must hold itself to grant it.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "patch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

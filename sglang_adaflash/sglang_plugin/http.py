@@ -11,8 +11,7 @@ subprocesses so that all of them see the same paths):
   ``ADAFLASH_ADMIN_TOKEN`` is set, POST needs ``Authorization: Bearer <token>``.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI must see the real `Request` class.
 import hmac
 import logging
 import os

@@ -17,8 +17,9 @@ def _prompts(n, seed=3, lo=2, hi=14, vocab=90):
 
 
 def _hf_greedy(target, prompt, n):
+    ids = torch.tensor([prompt])
     out = target.model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
     )
     return out[0, len(prompt):].tolist()
 

@@ -251,3 +251,25 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
     r = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_manifest_the_operator_builds_validates() -> None:
+    from adaflash_operator import manifests
+
+    owner = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+             "metadata": {"name": "qwen", "namespace": "ml", "uid": "0b1c-2d3e"}}
+    example = yaml.safe_load((CHART / "examples" / "adaflashservice.yaml").read_text())
+    s = parse(example["spec"])
+    built = [manifests.pvc(owner, s), manifests.configmap(owner, "v000001"),
+             manifests.service_account(owner), manifests.role(owner),
+             manifests.role_binding(owner), manifests.deployment(owner, s),
+             manifests.service(owner, s), manifests.job(owner, s, 1, 1, "v000001")]
+    for doc in built:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    dv = manifests.drafter_version(owner, {
+        "version": "v000002", "parent": "v000001", "created": "2026-11-30T09:00:00Z",
+        "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
+        "training": {"algorithm": "opd-rkl", "records": 10, "steps": 2, "finalLoss": 0.5},
+        "eval": {"tau": {"chat": 5.0}, "parentTau": {"chat": 4.0}}}, "qwen-distill-1-1")
+    _validate_cr(dv)

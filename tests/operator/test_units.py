@@ -196,3 +196,17 @@ def test_patch_helpers() -> None:
     assert is_subset({"x": [{"y": 1}]}, {"x": [{"y": 1, "z": 2}], "w": 0})
     assert not is_subset({"x": [1, 2]}, {"x": [1]})
     assert is_subset({"gpu": 1}, {"gpu": "1"})
+
+
+def test_dockerfile_installs_the_operator_extra() -> None:
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["operator"]
+    docker = (root / "operator" / "Dockerfile").read_text()
+    pinned = set(re.findall(r'"([A-Za-z0-9_.\-]+[=<>!~]=?[^"]+)"', docker))
+    assert pinned == set(extra), "operator/Dockerfile and the pyproject `operator` extra differ"

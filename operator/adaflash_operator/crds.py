@@ -257,7 +257,6 @@ DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
         "phase": _str("Phase entered."), "reason": _str("Reason."),
         "time": _str("When.", format="date-time"),
     })),
-    "conditions": _CONDITIONS,
     "kopf": {"type": "object", "description": "Operator framework bookkeeping.",
              "x-kubernetes-preserve-unknown-fields": True},
 })

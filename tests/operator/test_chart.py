@@ -273,3 +273,17 @@ def test_every_manifest_the_operator_builds_validates() -> None:
         "training": {"algorithm": "opd-rkl", "records": 10, "steps": 2, "finalLoss": 0.5},
         "eval": {"tau": {"chat": 5.0}, "parentTau": {"chat": 4.0}}}, "qwen-distill-1-1")
     _validate_cr(dv)
+
+
+def test_docs_describe_every_crd_field_and_annotation() -> None:
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    for kind in (c.SERVICE_KIND, c.DRAFTER_KIND):
+        schema = crds.openapi_schema(kind)
+        for top in ("spec", "status"):
+            for path, _ in _walk(schema["properties"][top], top):
+                if path == top or ".kopf" in path or path.endswith(("[]", "{}")):
+                    continue
+                assert f"`{path}`" in doc, f"docs/operator.md does not describe {kind} {path}"
+    for name in (c.DESIRED_VERSION, c.LOADED_VERSION, c.LOAD_ERROR, c.ACCEPTANCE_TAU,
+                 c.TRAFFIC_RECORDS, c.FLEET_VERSION_FILE, c.POD_ANNOTATIONS_FILE):
+        assert name in doc, f"docs/operator.md does not document {name}"

@@ -158,23 +158,20 @@ class SpecEngine:
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""
-        done: dict[int, RequestOutput] = {}
-        order = []
+        by_id: dict[str, RequestOutput] = {}
         for req in requests:
-            out = self.submit(req)
-            order.append(req.request_id)
+            out = self.submit(req)  # assigns request_id when missing
             if out is not None:
-                done[req.request_id] = out
-        by_id = {}
+                by_id[req.request_id] = out
+        ids = [req.request_id for req in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique within one run()")
         while self.has_unfinished():
             for out in self.step():
                 by_id[out.request_id] = out
                 if progress is not None:
                     progress.update(1)
-        if progress is not None:
-            progress.update(len(done))
-        by_id.update(done)
-        return [by_id[r] for r in order]
+        return [by_id[req.request_id] for req in requests]
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()

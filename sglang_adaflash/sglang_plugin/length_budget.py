@@ -1,8 +1,7 @@
 """From the drafter's block states to the target's verify work, for one decode step.
 
     draft hidden [bs*B, H] --length head--> ratio [bs]
-        --paper's rule--> candidate lengths [bs]  (cap per request)
-        --load-aware rule (engine.length_policy)--> verify lengths L [bs]
+        --load-aware rule (engine.length_policy), or the paper's rule--> verify lengths L [bs]
         --SGLang RaggedVerifyLayout--> packed (compact) verify of sum(L) tokens
         --SGLang ScatterCompactToStrided--> logits / hidden back to [bs*B] for DFlash's accept
         --cap_candidates--> acceptance stops at L_i - 1 proposals
@@ -70,19 +69,39 @@ def head_ratio(head: AdaptiveLengthHead, draft_hidden: torch.Tensor, bs: int, bl
         return head(hidden)
 
 
+LENGTH_RULES = ("load_aware", "paper")
+
+
 def plan_verify_lengths(
     ratio: torch.Tensor,
     block_size: int,
     *,
     rate: float,
     min_len: int,
-    cost: StepCostModel,
+    cost: StepCostModel | None,
+    rule: str = "load_aware",
+    max_len: Sequence[int] | None = None,
 ) -> list[int]:
-    """ratio [bs] -> verify lengths [bs]: the paper's candidate length caps each request, and
-    the load-aware rule of the reference engine cuts further when the batch is large."""
+    """ratio [bs] -> verify lengths [bs], by the same rules as the reference engine:
+
+    - ``load_aware`` (default): ``engine.length_policy.choose_verify_lengths``, which keeps the
+      verify slots worth their cost for this batch size;
+    - ``paper``: AdaFlash's ``clamp(round(ratio * B * rate), min_len, B)``.
+
+    ``max_len`` [bs] caps each request (e.g. the tokens it may still generate).
+    """
     ratio = ratio.detach().float().cpu()  # CPU-GPU sync: the host must know the token bucket
-    cap = candidate_lengths(ratio, block_size, rate=rate, min_len=min_len)  # [bs]
-    lens = choose_verify_lengths(ratio, block_size, cost, min_len=min_len, max_len=cap)
+    cap = torch.full((ratio.shape[0],), block_size, dtype=torch.long)
+    if max_len is not None:
+        cap = torch.minimum(cap, torch.tensor(list(max_len), dtype=torch.long).clamp(min=1))
+    if rule == "paper":
+        lens = torch.minimum(candidate_lengths(ratio, block_size, rate=rate, min_len=min_len), cap)
+    elif rule == "load_aware":
+        if cost is None:
+            raise ValueError("the load_aware rule needs a step cost model")
+        lens = choose_verify_lengths(ratio, block_size, cost, min_len=min_len, max_len=cap)
+    else:
+        raise ValueError(f"length rule must be one of {LENGTH_RULES}, found {rule!r}")
     return [int(n) for n in lens.tolist()]
 
 
@@ -137,15 +156,26 @@ class VerifyPlanner:
         *,
         rate: float,
         min_len: int,
-        cost: StepCostModel,
+        cost: StepCostModel | None,
+        rule: str = "load_aware",
     ):
+        if rule not in LENGTH_RULES:
+            raise ValueError(f"length rule must be one of {LENGTH_RULES}, found {rule!r}")
         self.head = head
         self.block_size = block_size
         self.rate = rate
         self.min_len = min(min_len, block_size)
         self.cost = cost
+        self.rule = rule
 
-    def plan(self, draft_hidden: torch.Tensor | None, bs: int, *, greedy: bool) -> VerifyPlan:
+    def plan(
+        self,
+        draft_hidden: torch.Tensor | None,
+        bs: int,
+        *,
+        greedy: bool,
+        max_len: Sequence[int] | None = None,
+    ) -> VerifyPlan:
         if not greedy:
             # Capping a rejection-sampling step must draw the bonus from the target's filtered
             # distribution at slot L_i - 1, which SGLang computes inside its sampling kernel;
@@ -155,6 +185,12 @@ class VerifyPlanner:
             return VerifyPlan.uniform(bs, self.block_size, "uniform")
         ratio = head_ratio(self.head, draft_hidden, bs, self.block_size)
         lens = plan_verify_lengths(
-            ratio, self.block_size, rate=self.rate, min_len=self.min_len, cost=self.cost
+            ratio,
+            self.block_size,
+            rate=self.rate,
+            min_len=self.min_len,
+            cost=self.cost,
+            rule=self.rule,
+            max_len=max_len,
         )
         return VerifyPlan(self.block_size, lens, ratio, "head")

@@ -34,8 +34,10 @@ ENV_VARS: dict[str, str] = {
     "ADAFLASH_VERIFY_MODE": "auto | compact | cap | fixed (default auto)",
     "ADAFLASH_LENGTH_HEAD": "auto | on | off: use the drafter's length head (default auto: on "
     "when config.json enables use_thresh_head_two_model)",
-    "ADAFLASH_LENGTH_RATE": "candidate length = clamp(round(ratio*B*rate), min_len, B); default "
-    "from adaflash_config.length_head_rate, else 1.3",
+    "ADAFLASH_LENGTH_RULE": "load_aware (default: the reference engine's step-cost rule) | paper "
+    "(clamp(round(ratio*B*rate), min_len, B))",
+    "ADAFLASH_LENGTH_RATE": "rate of the paper rule clamp(round(ratio*B*rate), min_len, B); "
+    "default from adaflash_config.length_head_rate, else 1.3",
     "ADAFLASH_LENGTH_MIN": "minimum verify length (slot 0 included); default from "
     "adaflash_config.length_head_min_len, else 2",
     "ADAFLASH_COST_FIXED_MS": "step-cost model: length-independent time of a decode step in ms "
@@ -115,6 +117,7 @@ class AdaFlashOptions:
     use_length_head: bool = False
     length_head_in_config: bool = False
     block_size: int | None = None
+    length_rule: str = "load_aware"
     rate: float = 1.3
     min_len: int = 2
     cost_fixed_s: float = 0.008
@@ -168,6 +171,9 @@ class AdaFlashOptions:
             use_length_head=use_head,
             length_head_in_config=in_config,
             block_size=int(block) if block is not None else None,
+            length_rule=_env_choice(
+                env, "ADAFLASH_LENGTH_RULE", ("load_aware", "paper"), "load_aware"
+            ),
             rate=float(rate),
             min_len=int(min_len),
             cost_fixed_s=fixed_ms / 1e3,

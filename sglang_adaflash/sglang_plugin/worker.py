@@ -147,11 +147,21 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
                     self._ada_ckpt, cfg.hidden_size, cfg.length_head_bottleneck_dim, self.device
                 )
             except HeadLoadError as e:
-                logger.error("ADAFLASH: %s; falling back to fixed-length verification", e)
-                self._ada_mode = VERIFY_FIXED
+                if self._ada_mode == VERIFY_COMPACT:
+                    # The target's verify graphs are keyed by token buckets in compact mode:
+                    # stay compact and verify whole blocks, so the graphs still replay.
+                    logger.error("ADAFLASH: %s; verifying whole blocks (compact layout)", e)
+                else:
+                    logger.error("ADAFLASH: %s; falling back to fixed-length verification", e)
+                    self._ada_mode = VERIFY_FIXED
         cost = StepCostModel(fixed=opts.cost_fixed_s, per_token=opts.cost_per_token_s)
         return lb.VerifyPlanner(
-            head, int(self.block_size), rate=opts.rate, min_len=opts.min_len, cost=cost
+            head,
+            int(self.block_size),
+            rate=opts.rate,
+            min_len=opts.min_len,
+            cost=cost,
+            rule=opts.length_rule,
         )
 
     def _ada_check_backend(self) -> None:
@@ -278,7 +288,9 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             return
         bs = len(step.batch.seq_lens)
         hidden = getattr(getattr(draft_out, "logits_output", None), "hidden_states", None)
-        plan = self._ada_planner.plan(hidden, bs, greedy=step.greedy)
+        plan = self._ada_planner.plan(
+            hidden, bs, greedy=step.greedy, max_len=_remaining_tokens(step.batch)
+        )
         plan = self._agree_across_tp(plan)
         step.plan = plan
         step.verify_lens_device = torch.tensor(
@@ -395,6 +407,18 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
         if self._ada_tp_rank == 0:
             self._ada_stats.complete(list(num_correct_drafts_per_req))
+
+
+def _remaining_tokens(batch) -> list[int] | None:
+    """Tokens each request may still generate (a verify length above it is wasted)."""
+    out = []
+    for req in getattr(batch, "reqs", None) or []:
+        limit = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+        produced = getattr(req, "output_ids", None)
+        if limit is None or produced is None:
+            return None
+        out.append(max(1, int(limit) - len(produced)))
+    return out or None
 
 
 def _request_domains(batch) -> list[str | None] | None:

@@ -138,26 +138,36 @@ def test_planner_follows_head_and_load():
     cheap_tokens = StepCostModel(fixed=1.0, per_token=1e-6)  # small batch regime
     dear_tokens = StepCostModel(fixed=1e-3, per_token=1e-3)  # large batch regime
     hidden = torch.randn(4 * block, 16)
-    # ratio ~ 1: the head expects whole blocks accepted
-    full = lb.VerifyPlanner(_head(8.0), block, rate=1.3, min_len=2, cost=cheap_tokens)
-    assert full.plan(hidden, 4, greedy=True).verify_lens_cpu == [8, 8, 8, 8]
-    # ratio 0.25: the paper's cap round(0.25 * 8 * 1.3) = 3 bounds every request
     quarter = torch.logit(torch.tensor(0.25)).item()
-    capped = lb.VerifyPlanner(_head(quarter), block, rate=1.3, min_len=2, cost=cheap_tokens)
-    plan = capped.plan(hidden, 4, greedy=True)
-    assert plan.verify_lens_cpu == [3, 3, 3, 3] and plan.reason == "head"
-    # expensive tokens cut further, never below min_len
-    lean = lb.VerifyPlanner(_head(quarter), block, rate=1.3, min_len=2, cost=dear_tokens)
-    assert all(2 <= n <= 3 for n in lean.plan(hidden, 4, greedy=True).verify_lens_cpu)
-    assert sum(lean.plan(hidden, 4, greedy=True).verify_lens_cpu) < 12
+
+    def planner(bias, cost, rule="load_aware", min_len=2):
+        return lb.VerifyPlanner(_head(bias), block, rate=1.3, min_len=min_len, cost=cost, rule=rule)
+
+    # ratio ~ 1: the head expects whole blocks accepted, both rules verify them
+    assert planner(8.0, cheap_tokens).plan(hidden, 4, greedy=True).verify_lens_cpu == [8] * 4
+    assert planner(8.0, None, "paper").plan(hidden, 4, greedy=True).verify_lens_cpu == [8] * 4
+    # ratio 0.25, paper rule: round(0.25 * 8 * 1.3) = 3 for every request
+    plan = planner(quarter, None, "paper").plan(hidden, 4, greedy=True)
+    assert plan.verify_lens_cpu == [3] * 4 and plan.reason == "head"
+    # load-aware: cheap tokens -> whole blocks; dear tokens -> short, never below min_len
+    assert planner(quarter, cheap_tokens).plan(hidden, 4, greedy=True).verify_lens_cpu == [8] * 4
+    lean = planner(quarter, dear_tokens).plan(hidden, 4, greedy=True).verify_lens_cpu
+    assert all(2 <= n < 8 for n in lean), lean
+    # the same decisions as the reference engine's rule on the same ratio
+    from sglang_adaflash.engine.length_policy import choose_verify_lengths
+
+    ratio = torch.full((4,), 0.25)
+    assert lean == choose_verify_lengths(ratio, block, dear_tokens, min_len=2).tolist()
+    # per-request caps (tokens a request may still generate)
+    capped = planner(8.0, cheap_tokens).plan(hidden, 4, greedy=True, max_len=[8, 3, 1, 20])
+    assert capped.verify_lens_cpu == [8, 3, 1, 8]
     # sampled batches and missing states verify whole blocks
-    assert full.plan(hidden, 4, greedy=False).reason == "sampling"
-    assert capped.plan(None, 4, greedy=True).is_uniform
-    assert (
-        lb.VerifyPlanner(None, block, rate=1.3, min_len=2, cost=dear_tokens)
-        .plan(hidden, 4, greedy=True)
-        .is_uniform
-    )
+    assert planner(8.0, cheap_tokens).plan(hidden, 4, greedy=False).reason == "sampling"
+    assert planner(quarter, cheap_tokens).plan(None, 4, greedy=True).is_uniform
+    no_head = lb.VerifyPlanner(None, block, rate=1.3, min_len=2, cost=dear_tokens)
+    assert no_head.plan(hidden, 4, greedy=True).is_uniform
+    with pytest.raises(ValueError, match="length rule"):
+        lb.VerifyPlanner(None, block, rate=1.3, min_len=2, cost=None, rule="magic")
 
 
 _INTERPRETED = textwrap.dedent(

@@ -35,8 +35,8 @@ class FakePlanner:
         self.head = object()
         self.seen = []
 
-    def plan(self, hidden, bs, *, greedy):
-        self.seen.append((None if hidden is None else tuple(hidden.shape), bs, greedy))
+    def plan(self, hidden, bs, *, greedy, max_len=None):
+        self.seen.append((None if hidden is None else tuple(hidden.shape), bs, greedy, max_len))
         return lb.VerifyPlan.from_lists(self.lens, B)
 
 
@@ -202,8 +202,13 @@ def make_batch(lens_accept=(3, 3, 3)):
         input_ids=None,
         spec_info=None,
         cand=cand,
-        reqs=[SimpleNamespace(sampling_params=SimpleNamespace(custom_params={"domain": "code"}))]
-        * 3,
+        reqs=[
+            SimpleNamespace(
+                sampling_params=SimpleNamespace(custom_params={"domain": "code"}, max_new_tokens=m),
+                output_ids=[0] * 3,
+            )
+            for m in (8, 4, 6)
+        ],
         sampling_info=None,
         forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
         is_extend_in_batch=False,
@@ -218,7 +223,8 @@ def test_decode_step_runs_compact_and_caps(monkeypatch, patched):
     result = w.forward_batch_generation(batch)
 
     assert w._ada_reloader.calls == 1  # reload point before the step
-    assert w._ada_planner.seen == [((3 * B, 8), 3, True)]  # head saw the draft states
+    # the head saw the draft states; lengths are capped by the tokens each request may still make
+    assert w._ada_planner.seen == [((3 * B, 8), 3, True, [5, 1, 3])]
     assert w.draft_model_runner is real_runner and w._ada_step is None  # seams removed
     ((fb, kw),) = w._target_worker.verify_calls
     assert kw["skip_attn_backend_init"] is True
@@ -273,7 +279,7 @@ def test_fixed_mode_leaves_dflash_alone(monkeypatch, patched):
 def test_sampled_batch_verifies_whole_blocks(monkeypatch, patched):
     monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", fake_dflash_step)
     w = make_worker("compact", lens=(1, 1, 1))
-    w._ada_planner = lb.VerifyPlanner(None, B, rate=1.3, min_len=1, cost=None)
+    w._ada_planner = lb.VerifyPlanner(None, B, rate=1.3, min_len=1, cost=None, rule="paper")
     batch = make_batch()
     batch.sampling_info = SimpleNamespace(is_all_greedy=False)
     w.forward_batch_generation(batch)
@@ -304,3 +310,13 @@ def test_request_domains():
     assert wmod._request_domains(batch) == ["math", None]
     batch.reqs = batch.reqs[1:]
     assert wmod._request_domains(batch) is None
+
+
+def test_remaining_tokens():
+    def req(limit, produced):
+        return SimpleNamespace(
+            sampling_params=SimpleNamespace(max_new_tokens=limit), output_ids=[0] * produced
+        )
+
+    assert wmod._remaining_tokens(SimpleNamespace(reqs=[req(10, 4), req(5, 5)])) == [6, 1]
+    assert wmod._remaining_tokens(SimpleNamespace(reqs=[req(None, 1)])) is None

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m adaflash_operator", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--verbose", action="store_true")
     crds = sub.add_parser("crds", help="print the CRDs (or write them to --out)")
     crds.add_argument("--out", type=Path, help="directory to write one file per CRD into")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     if args.cmd == "crds":
         from . import crds as crds_mod
@@ -41,13 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     import kopf.cli
 
     os.environ["ADAFLASH_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
+    return kopf.cli.main(args=kopf_args(args), standalone_mode=False) or 0
+
+
+def kopf_args(args: argparse.Namespace) -> list[str]:
+    """The `kopf run` command line for our options."""
     kargs = ["run", "--standalone", "-m", "adaflash_operator.handlers"]
     kargs += [f"--namespace={ns}" for ns in args.namespace] or ["--all-namespaces"]
     if args.health_port:
         kargs.append(f"--liveness=http://0.0.0.0:{args.health_port}/healthz")
     if args.verbose:
         kargs.append("--verbose")
-    return kopf.cli.main(args=kargs, standalone_mode=False) or 0
+    return kargs
 
 
 if __name__ == "__main__":

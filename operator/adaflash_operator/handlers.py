@@ -450,7 +450,7 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
             not (patch.status.get("distillation") or {}).get("activeJob"):
         conds = set_condition(conds, "Progressing", False, "Idle",
                               f"serving {d.serving}; no rollout in flight", t, gen)
-    if phase == "RolledBack":
+    if phase == "RolledBack" and d.state.get("reason") != "Pinned":
         conds = set_condition(conds, "Degraded", True, d.state.get("reason", phase),
                               f"last rollout: {d.state.get('message', '')}", t, gen)
     else:

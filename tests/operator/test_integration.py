@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from adaflash_operator import contract as c
+from adaflash_operator.__main__ import kopf_args, parser
 from kopf.testing import KopfRunner
 from operator_harness import (
     Cluster,
@@ -33,9 +36,10 @@ CHILDREN = [("PersistentVolumeClaim", "qwen-home"), ("ConfigMap", "qwen-drafter"
 
 
 @contextlib.contextmanager
-def operator(namespace: str) -> Iterator[KopfRunner]:
-    args = ["run", "--standalone", f"--namespace={namespace}", "-m", "adaflash_operator.handlers"]
-    with KopfRunner(args, timeout=30) as runner:
+def operator(namespace: str, *extra: str) -> Iterator[KopfRunner]:
+    """The operator with the kopf command line that `python -m adaflash_operator run` builds."""
+    opts = parser().parse_args(["run", "-n", namespace, "--health-port", "0", *extra])
+    with KopfRunner(kopf_args(opts), timeout=30) as runner:
         yield runner
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
@@ -305,3 +309,34 @@ def test_invalid_spec_shows_a_condition(cluster: Cluster, namespace: str, kubeco
         wait_for("the Deployment after the fix", lambda: cluster.get("Deployment", ns, "qwen"))
         wait_for("Ready condition updated", lambda: condition(cluster, ns, "Ready").get(
             "reason") != "InvalidSpec")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_and_health_probe(cluster: Cluster, namespace: str, kubeconfig,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = namespace
+    metrics_port, health_port = _free_port(), _free_port()
+    monkeypatch.setenv("ADAFLASH_OPERATOR_METRICS_PORT", str(metrics_port))
+    with operator(ns, "--health-port", str(health_port)):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        kubelet_start_pods(cluster, ns, "qwen", tau=4.5)
+        wait_for("status", lambda: status(cluster, ns).get("tau") == 4.5)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                return r.read().decode()
+
+        text = wait_for("the live tau gauge", lambda: (
+            t := scrape()) and f'adaflash_operator_live_tau{{namespace="{ns}",service="qwen"}} 4.5'
+            in t and t)
+        assert 'adaflash_operator_reconciles_total{result="ok"}' in text
+        assert (f'adaflash_operator_serving_version_info{{namespace="{ns}",service="qwen",'
+                f'version="v000001"}} 1.0') in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz") as r:
+            assert r.status == 200

@@ -210,3 +210,23 @@ def test_dockerfile_installs_the_operator_extra() -> None:
     docker = (root / "operator" / "Dockerfile").read_text()
     pinned = set(re.findall(r'"([A-Za-z0-9_.\-]+[=<>!~]=?[^"]+)"', docker))
     assert pinned == set(extra), "operator/Dockerfile and the pyproject `operator` extra differ"
+
+
+def test_command_line() -> None:
+    from adaflash_operator.__main__ import kopf_args, parser
+
+    args = kopf_args(parser().parse_args(["run", "-n", "a", "-n", "b", "--verbose"]))
+    assert args == ["run", "--standalone", "-m", "adaflash_operator.handlers", "--namespace=a",
+                    "--namespace=b", "--liveness=http://0.0.0.0:8081/healthz", "--verbose"]
+    args = kopf_args(parser().parse_args(["run", "--health-port", "0"]))
+    assert "--all-namespaces" in args and not any(a.startswith("--liveness") for a in args)
+
+
+def test_crds_command_writes_the_chart_files(tmp_path, capsys) -> None:
+    from adaflash_operator import crds
+    from adaflash_operator.__main__ import main
+
+    assert main(["crds", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(crds.CRD_FILES)
+    assert main(["crds"]) == 0
+    assert capsys.readouterr().out.count("kind: CustomResourceDefinition") == 2

@@ -32,6 +32,7 @@ def plot_results(results: dict, path: str | Path) -> Path:
 
     spec_modes = [m for m in modes if m in ("dflash", "adaflash")]
     width = 0.8 / max(len(spec_modes), 1)
+    top = 0.0
     for j, mode in enumerate(spec_modes):
         mine = [r for r in rows if r["mode"] == mode]
         steps = sum(r["steps"] for r in mine)
@@ -39,10 +40,11 @@ def plot_results(results: dict, path: str | Path) -> Path:
         rate = [c / steps if steps else 0.0 for c in counts]
         xs = [k + 1 + (j - (len(spec_modes) - 1) / 2) * width for k in range(len(rate))]
         ax2.bar(xs, rate, width=width, label=mode, color=COLORS.get(mode))
+        top = max([top, *rate])
     ax2.set_xlabel("draft position k")
     ax2.set_ylabel("accepted per step (all concurrencies)")
     ax2.set_title("accepted tokens by position")
-    ax2.set_ylim(0, 1)
+    ax2.set_ylim(0, min(1.0, max(0.02, top * 1.25)))  # zoom in when little is accepted
     ax2.grid(True, axis="y", alpha=0.3)
     if spec_modes:
         ax2.legend()

@@ -1,7 +1,7 @@
 """`adaflash bench` and `adaflash demo`: throughput and speculation statistics per mode.
 
-For every concurrency c the benchmark serves n = max(c, num_prompts) requests (prompts cycled)
-with max_batch_size = c, in every mode:
+For every concurrency c the benchmark serves n = max(waves * c, num_prompts) requests (prompts
+cycled) with max_batch_size = c, in every mode:
 
     hf        Hugging Face generate(), greedy, static batches of c left-padded requests
     ar        the reference engine, plain decoding (verify length 1), continuous batching
@@ -56,6 +56,7 @@ class BenchConfig:
     mixed_lengths: bool = False
     num_prompts: int | None = None
     repeats: int = 1
+    waves: int = 1
     seed: int = 0
     dtype: str | None = None
     device: str = "cpu"
@@ -190,10 +191,10 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         raise CLIError("modes dflash and adaflash need --drafter DIR")
     if "adaflash" in cfg.modes and pair.drafter.length_head is None:
         raise CLIError("mode adaflash needs a drafter with a length head (dflash_config.use_thresh_head_two_model); drop it from --modes")
-    workload = build_workload(specs, pair, cfg, max(cfg.concurrency))
+    workload = build_workload(specs, pair, cfg, cfg.waves * max(cfg.concurrency))
     for msg in workload.skipped:
         log(f"warning: skipped prompt: {msg}")
-    counts = {c: max(c, len(workload.prompts)) for c in cfg.concurrency}
+    counts = {c: max(cfg.waves * c, len(workload.prompts)) for c in cfg.concurrency}
     stop_ids = () if cfg.ignore_eos else pair.stop_token_ids
     block = pair.drafter.config.block_size if pair.drafter is not None else 1
     max_seq = max(len(p) for p in workload.prompts) + cfg.max_new_tokens
@@ -338,8 +339,10 @@ def format_table(doc: dict) -> str:
     eq = doc["equality"]
     if eq["reference"] is None:
         lines.append("T=0 equality: not checked (ar not run)")
+    elif not eq["checked_modes"]:
+        lines.append("T=0 equality: nothing to check (no speculative mode run)")
     elif eq["ok"]:
-        lines.append(f"T=0 equality: OK ({', '.join(eq['checked_modes']) or 'no speculative mode'} == ar, token for token)")
+        lines.append(f"T=0 equality: OK ({', '.join(eq['checked_modes'])} == ar, token for token)")
     else:
         lines.append(f"T=0 equality: FAILED, {len(eq['mismatches'])} request(s) differ from ar")
     return "\n".join(lines)
@@ -377,7 +380,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(
         target=args.target, drafter=args.drafter, prompts=list(args.prompts), concurrency=args.concurrency,
         modes=args.modes, max_new_tokens=args.max_new_tokens, mixed_lengths=args.mixed_lengths,
-        num_prompts=args.num_prompts, repeats=args.repeats, seed=args.seed, dtype=args.dtype,
+        num_prompts=args.num_prompts, repeats=args.repeats, waves=args.waves, seed=args.seed, dtype=args.dtype,
         device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
         threads=args.threads,
     )

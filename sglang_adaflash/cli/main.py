@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mixed-lengths", action="store_true",
                    help="give each request its own max_new_tokens, uniform in [max/8, max] (seeded)")
     b.add_argument("--num-prompts", type=_positive_int, default=None,
-                   help="requests per concurrency level = max(concurrency, this); prompts are cycled (default: the file's count)")
+                   help="requests per concurrency level = max(waves x concurrency, this); prompts are cycled (default: the file's count)")
+    b.add_argument("--waves", type=_positive_int, default=1,
+                   help="submit at least WAVES x concurrency requests, so finished requests' slots get refilled (default 1)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")

@@ -56,15 +56,19 @@ def test_bench_writes_results_and_plot(tiny_pair, workload, tmp_path, capsys):
 
 
 def test_mixed_lengths_are_honoured_by_every_mode(tiny_pair, workload, tmp_path, capsys):
-    assert _bench(tiny_pair, workload, tmp_path, "--mixed-lengths", "--modes", "hf,ar", "--num-prompts", "6") == 0
+    assert _bench(tiny_pair, workload, tmp_path, "--mixed-lengths", "--modes", "hf,ar", "--waves", "2") == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["mode"], r["concurrency"]): r for r in doc["results"]}
-    lengths = runner.random.Random(0)
-    want = sum(lengths.randint(1, 8) for _ in range(6))
-    for key in rows:
-        assert rows[key]["generated_tokens"] == want
-    # HF's padded batch runs to its longest request
-    assert rows[("hf", 3)]["padding_waste"] > 0 and rows[("hf", 3)]["decoded_tokens_incl_padding"] > want
+    rng = runner.random.Random(0)
+    lengths = [rng.randint(1, 8) for _ in range(6)]  # one length per request index, shared by all modes
+    # 5 prompts, 2 waves: c=1 serves max(2, 5) = 5 requests, c=3 serves max(6, 5) = 6
+    assert doc["config"]["requests_per_concurrency"] == {"1": 5, "3": 6}
+    for (_mode, c), r in rows.items():
+        assert r["generated_tokens"] == sum(lengths[: 5 if c == 1 else 6])
+    # HF's padded batches run to their longest request; the engine's running batch shrinks instead
+    assert rows[("hf", 3)]["padding_waste"] > 0
+    assert rows[("hf", 3)]["decoded_tokens_incl_padding"] == 3 * max(lengths[:3]) + 3 * max(lengths[3:6])
+    assert rows[("ar", 3)]["mean_batch_size"] < 3
 
 
 def test_equality_check_catches_a_lossy_verifier(tiny_pair, workload, tmp_path, capsys, monkeypatch):
@@ -125,3 +129,27 @@ def test_pearson_and_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_demo_falls_back_to_a_tiny_random_pair(tmp_path, capsys, monkeypatch):
+    import sglang_adaflash.assets as assets
+
+    monkeypatch.setattr(assets, "MODELS_DIR", tmp_path / "no-models")
+    rc = main(["demo", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--concurrency", "2",
+               "--modes", "ar,adaflash", "--max-new-tokens", "3", "--num-prompts", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "tiny RANDOM pair" in err
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["equality"]["ok"] and doc["models"]["target"]["layers"] == 8
+    assert (tmp_path / "cache" / "tiny-pair" / "drafter" / "model.safetensors").is_file()
+
+
+def test_tiny_pair_module_main_reuses_the_pair(tmp_path, capsys):
+    from sglang_adaflash.testing.__main__ import main as tiny_main
+
+    assert tiny_main([str(tmp_path / "p"), "--workload", "4"]) == 0
+    weights = tmp_path / "p" / "target" / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert tiny_main([str(tmp_path / "p")]) == 0 and weights.stat().st_mtime_ns == mtime  # same spec: reused
+    lines = (tmp_path / "p" / "workload.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and {json.loads(line)["domain"] for line in lines} == {"code", "math", "prose"}

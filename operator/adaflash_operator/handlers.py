@@ -284,7 +284,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
             else distill.job_outcome(job)
         if outcome == "running":
-            return conds
+            return set_condition(conds, "Progressing", True, "Distilling",
+                                 f"Job {active} is running", _ts(now), gen)
         report_err = ""
         pods = await kube.list_("Pod", ns, {"adaflash.io/distill-job": active})
         if outcome == "succeeded":
@@ -296,6 +297,11 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 try:
                     await kube.create(dv)
                 except kube.ApiError as e:
+                    if e.status in (400, 422):  # the schema refused what the report says
+                        raise distill.ReportError(
+                            f"the API server rejected DrafterVersion "
+                            f"{dv['metadata']['name']} built from the report: {e.message}"
+                        ) from e
                     if e.status != 409:
                         raise
                 await _set_drafter_phase(dv, "Candidate", "Published",

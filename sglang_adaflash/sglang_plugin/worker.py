@@ -227,7 +227,8 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def _refresh_derived_draft_state(self) -> None:
         helper = self.__dict__.get("_fused_kv_helper")  # no __getattr__ forwarding
-        refresh_fused_kv_helper(helper, self.draft_model.layers)
+        if helper is not None:
+            refresh_fused_kv_helper(helper, self.draft_model.layers)
 
     # -- the three seams -----------------------------------------------------------------------
 

@@ -1,0 +1,120 @@
+"""The worker's start-up glue (planner, backend check, sinks, reloader) on CPU with fakes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sglang
+pytest.importorskip("sglang")
+
+from sglang_adaflash.drafter.checkpoint import read_checkpoint, read_config  # noqa: E402
+from sglang_adaflash.drafter.config import DrafterConfig  # noqa: E402
+from sglang_adaflash.drafter.model import DFlashDrafter  # noqa: E402
+from sglang_adaflash.drafter.store import publish_version  # noqa: E402
+from sglang_adaflash.sglang_plugin.options import AdaFlashOptions  # noqa: E402
+from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2  # noqa: E402
+
+from .conftest import drafter_raw  # noqa: E402
+from .fakes import FusedDraft  # noqa: E402
+
+
+def bare_worker(draft_dir, mode="compact", ragged_backend=True, env=None):
+    cfg = read_config(draft_dir)  # what the worker reads (SGLang loaded the weights)
+    w = object.__new__(AdaFlashWorkerV2)
+    w.__dict__.update(
+        block_size=cfg.block_size,
+        device=torch.device("cpu"),
+        draft_model=FusedDraft(cfg),
+        draft_parallel_layout=SimpleNamespace(tp_group=None),
+        _target_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(
+                attn_backend=SimpleNamespace(supports_ragged_verify_graph=ragged_backend)
+            )
+        ),
+        _ada_tp_rank=0,
+        _ada_tp_group=SimpleNamespace(world_size=1),
+        _ada_opts=AdaFlashOptions.resolve(draft_dir, env=env or {}),
+        _ada_mode=mode,
+        _ada_ckpt=draft_dir,
+    )
+    return w
+
+
+def test_planner_loads_the_head_of_the_drafter(model_pair):
+    w = bare_worker(model_pair["head"])
+    planner = w._build_planner()
+    assert planner.head is not None and planner.block_size == 8 and planner.rule == "load_aware"
+    state = read_checkpoint(model_pair["head"])[1]
+    torch.testing.assert_close(
+        planner.head.out.bias, state["thresh_head_two_model.out.bias"].float()
+    )
+
+
+def test_head_missing_weights_keeps_compact_with_whole_blocks(model_pair, tmp_path):
+    raw = drafter_raw(8, True)
+    cfg = DrafterConfig.from_dict(raw)
+    state = {k: v for k, v in DFlashDrafter(cfg).state_dict().items()}
+    home = tmp_path / "home"
+    v = publish_version(home, cfg, state, target={"name": "t", "config_sha256": "0" * 64})
+    draft = home / "drafters" / v
+    weights = draft / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    kept = {k: t for k, t in load_file(str(weights)).items() if not k.startswith("thresh_head")}
+    save_file(kept, str(weights))
+    w = bare_worker(draft, mode="compact")
+    assert w._build_planner().head is None and w._ada_mode == "compact"
+    w = bare_worker(draft, mode="cap")
+    w._build_planner()
+    assert w._ada_mode == "fixed"
+
+
+def test_backend_check(model_pair):
+    bare_worker(model_pair["head"])._ada_check_backend()
+    with pytest.raises(RuntimeError, match="--attention-backend fa3"):
+        bare_worker(model_pair["head"], ragged_backend=False)._ada_check_backend()
+    bare_worker(model_pair["head"], mode="fixed", ragged_backend=False)._ada_check_backend()
+
+
+def test_sink_without_multiprocess_dir_logs_only(model_pair, monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    sink = bare_worker(model_pair["head"])._build_sink()
+    assert [type(s).__name__ for s in sink.sinks] == ["LoggingSink"]
+
+
+def test_reloader_swaps_draft_and_head_in_place(model_pair, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    cfg = read_checkpoint(model_pair["head"])[0]
+    fp = {"name": "target", "config_sha256": "0" * 64}
+    torch.manual_seed(0)
+    v1 = publish_version(home, cfg, DFlashDrafter(cfg).state_dict(), target=fp)
+    desired = tmp_path / "desired"
+    desired.write_text(v1)
+    monkeypatch.setenv("ADAFLASH_HOME", str(home))
+    monkeypatch.setenv("ADAFLASH_DESIRED_VERSION_FILE", str(desired))
+    monkeypatch.setenv("ADAFLASH_LOADED_VERSION_FILE", str(tmp_path / "status.json"))
+    monkeypatch.setenv("ADAFLASH_RELOAD_POLL_S", "3600")  # the test polls by hand
+    w = bare_worker(home / "drafters" / v1)
+    w._ada_planner = w._build_planner()
+    reloader = w._build_reloader(w._build_sink())
+    try:
+        assert reloader.status.loaded_version == v1
+        torch.manual_seed(1)
+        new_state = DFlashDrafter(cfg).state_dict()
+        v2 = publish_version(home, cfg, new_state, target=fp)
+        desired.write_text(v2)
+        ptrs = [p.data_ptr() for p in w.draft_model.parameters()]
+        reloader.poll_once()
+        assert reloader.at_step_boundary() == v2
+        assert [p.data_ptr() for p in w.draft_model.parameters()] == ptrs
+        torch.testing.assert_close(
+            w.draft_model.params["norm__weight"], new_state["norm.weight"].float()
+        )
+        torch.testing.assert_close(
+            w._ada_planner.head.down.weight, new_state["thresh_head_two_model.down.weight"].float()
+        )
+    finally:
+        reloader.stop()

@@ -130,6 +130,10 @@ def build_layout(plan: VerifyPlan, *, device, model_runner=None):
             ragged_verify_mode=RaggedVerifyMode.COMPACT,
             model_runner=model_runner,
         )
+        if plan.num_verify_tokens > grid[-1]:
+            # More tokens than the largest captured graph (a batch above the captured batch
+            # sizes): no bucket fits, the verify runs eagerly on exactly these tokens.
+            grid = [plan.num_verify_tokens]
     return RaggedVerifyLayout.from_verify_lens(
         verify_lens_cpu=plan.verify_lens_cpu, device=device, grid=grid
     )

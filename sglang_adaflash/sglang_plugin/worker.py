@@ -168,6 +168,12 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         """Compact mode was decided from the arguments; confirm it with the live backend."""
         if self._ada_mode != VERIFY_COMPACT:
             return
+        if self.__dict__.get("_need_mamba_verify_commit"):
+            raise RuntimeError(
+                "ADAFLASH compact verification does not support hybrid (Mamba/linear-attention) "
+                "targets, whose recurrent state is committed from whole verify blocks; set "
+                "ADAFLASH_VERIFY_MODE=fixed"
+            )
         backend = self.target_worker.model_runner.attn_backend
         ok = bool(getattr(backend, "supports_ragged_verify_graph", False))
         if not ok:

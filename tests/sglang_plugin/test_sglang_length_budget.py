@@ -111,6 +111,25 @@ def test_compact_verify_matches_the_reference(seed):
     assert acc.tolist() == sglang_capped.tolist()
 
 
+def test_batches_above_the_captured_graphs_run_on_exact_tokens():
+    runner = SimpleNamespace(
+        decode_cuda_graph_runner=SimpleNamespace(
+            ragged_verify_mode=True, capture_num_tokens=[8, 16], max_bs=2
+        )
+    )
+    plan = lb.VerifyPlan.from_lists([8, 8, 3], 8)  # 19 tokens > the largest bucket 16
+    layout = lb.build_layout(plan, device=torch.device("cpu"), model_runner=runner)
+    assert layout.graph_num_tokens == 19
+    small = lb.build_layout(
+        lb.VerifyPlan.from_lists([3, 2], 8), device=torch.device("cpu"), model_runner=runner
+    )
+    assert small.graph_num_tokens == 8
+    eager = SimpleNamespace(decode_cuda_graph_runner=None)  # graphs disabled
+    assert (
+        lb.build_layout(plan, device=torch.device("cpu"), model_runner=eager).graph_num_tokens == 19
+    )
+
+
 def test_uniform_plan_packs_whole_blocks():
     plan = lb.VerifyPlan.uniform(3, 4, "sampling")
     assert plan.is_uniform and plan.num_verify_tokens == 12

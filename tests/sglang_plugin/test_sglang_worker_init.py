@@ -77,6 +77,10 @@ def test_backend_check(model_pair):
     with pytest.raises(RuntimeError, match="--attention-backend fa3"):
         bare_worker(model_pair["head"], ragged_backend=False)._ada_check_backend()
     bare_worker(model_pair["head"], mode="fixed", ragged_backend=False)._ada_check_backend()
+    hybrid = bare_worker(model_pair["head"])
+    hybrid._need_mamba_verify_commit = True
+    with pytest.raises(RuntimeError, match="hybrid"):
+        hybrid._ada_check_backend()
 
 
 def test_sink_without_multiprocess_dir_logs_only(model_pair, monkeypatch):

@@ -252,6 +252,13 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
     def forward_batch_generation(
         self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
     ):
+        if "_ada_stats" not in self.__dict__:  # a forward during SGLang's own __init__
+            return super().forward_batch_generation(
+                batch,
+                on_publish=on_publish,
+                grammar_barrier=grammar_barrier,
+                pp_proxy_tensors=pp_proxy_tensors,
+            )
         if not batch.forward_mode.is_idle():
             self._ada_reloader.at_step_boundary()  # swap drafter weights between steps only
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
@@ -315,13 +322,13 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         return lb.VerifyPlan(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
 
     def _accept_block(self, *, candidates, **kwargs):
-        step = self._ada_step
+        step = self.__dict__.get("_ada_step")
         if (
             step is not None
             and step.greedy
             and step.plan is not None
             and not step.plan.is_uniform
-            and self._ada_mode in (VERIFY_COMPACT, VERIFY_CAP)
+            and self.__dict__.get("_ada_mode") in (VERIFY_COMPACT, VERIFY_CAP)
         ):
             capped = lb.cap_candidates(candidates, step.verify_lens_device)
             accept_len, commit_lens, bonus, out_tokens, new_seq_lens = super()._accept_block(
@@ -412,7 +419,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
-        if self._ada_tp_rank == 0:
+        if self.__dict__.get("_ada_tp_rank") == 0 and "_ada_stats" in self.__dict__:
             self._ada_stats.complete(list(num_correct_drafts_per_req))
 
 

@@ -320,3 +320,19 @@ def test_remaining_tokens():
 
     assert wmod._remaining_tokens(SimpleNamespace(reqs=[req(10, 4), req(5, 5)])) == [6, 1]
     assert wmod._remaining_tokens(SimpleNamespace(reqs=[req(None, 1)])) is None
+
+
+def test_calls_before_our_init_go_straight_to_dflash(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        DFlashWorkerV2, "forward_batch_generation", lambda self, batch, **kw: calls.append(batch)
+    )
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", lambda self, **kw: kw["candidates"])
+    monkeypatch.setattr(DFlashWorkerV2, "on_verify_complete_cpu", lambda self, *a, **k: None)
+    w = object.__new__(wmod.AdaFlashWorkerV2)
+    w._target_worker = FakeTarget()
+    w.forward_batch_generation("warmup-batch")
+    assert calls == ["warmup-batch"]
+    cand = torch.ones(2, B, dtype=torch.int64)
+    assert w._accept_block(candidates=cand) is cand
+    w.on_verify_complete_cpu([1, 2], batch_size=2)  # no stats queue yet: ignored

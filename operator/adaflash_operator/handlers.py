@@ -241,7 +241,7 @@ async def control_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
             await _tick(body, patch, logger)
         except (kube.ApiError, kopf.TemporaryError, OSError) as e:
             logger.warning(f"control loop: {e}; retrying in {TICK}s")
-        if patch.status:
+        if patch.status and not is_subset(patch.status, body.get("status") or {}):
             try:
                 await kube.patch(c.SERVICE_KIND, namespace, name, {"status": patch.status},
                                  sub="status")

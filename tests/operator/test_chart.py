@@ -51,7 +51,7 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 
 def render(*values: str) -> list[dict]:
     r = helm("template", "rel", str(CHART), "--namespace", "adaflash-system", "--include-crds",
-             *values)
+             "--kube-version", "1.30.0", *values)
     assert r.returncode == 0, r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
@@ -144,6 +144,11 @@ def test_operator_pod_is_hardened_and_rbac_is_least_privilege() -> None:
     assert "--namespace=team-a" in next(
         d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"][
         "containers"][0]["args"]
+
+
+def test_chart_requires_kubernetes_1_30() -> None:
+    r = helm("template", "rel", str(CHART), "--kube-version", "1.29.0")
+    assert r.returncode != 0 and "kubeVersion" in r.stderr, r.stderr
 
 
 def test_crds_are_kept_on_uninstall() -> None:

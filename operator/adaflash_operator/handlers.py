@@ -422,6 +422,12 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
     serving_eval = ((serving_dv or {}).get("spec") or {}).get("eval", {}).get("tau")
     d = rollout.step(cfg=s.rollout, pinned=s.pinned_version, serving=fleet, state=old_state,
                      candidates=candidates, pods=infos, now=now, serving_eval=serving_eval)
+    # One Serving version: repair a switch torn by a crash between the ConfigMap and the records.
+    for version, dv in by_version.items():
+        if version != d.serving and version not in d.phases and \
+                (dv.get("status") or {}).get("phase") == "Serving":
+            d.phases[version] = rollout.PhaseChange("Retired", "Replaced",
+                                                    f"the fleet serves {d.serving}")
     # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).
     if d.serving != fleet:
         await kube.patch("ConfigMap", ns, manifests.configmap_name(name),

@@ -43,6 +43,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="kopf.adaflash.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kopf.adaflash.io", key="last-handled-configuration")
+    # The control-loop daemon needs a finalizer so that it stops before the object goes.
+    settings.persistence.finalizer = "adaflash.io/operator"
     settings.watching.server_timeout = 300
     # The chart installs the CRDs before the operator starts and names the namespaces to watch
     # (or all of them), so neither CRDs nor namespaces need watching: less RBAC.

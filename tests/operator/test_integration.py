@@ -277,6 +277,9 @@ def test_delete_removes_children_through_owner_references(cluster: Cluster, name
         pods = kubelet_start_pods(cluster, ns, "qwen")
         publish(cluster, ns, pods, report("v000002"))
         wait_for("the DrafterVersion", lambda: cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002"))
+        # The control loop's finalizer: the operator stops it, then lets the object go.
+        assert "adaflash.io/operator" in cluster.get(c.SERVICE_KIND, ns, "qwen")["metadata"][
+            "finalizers"]
         cluster.delete(c.SERVICE_KIND, ns, "qwen")
         wait_for("the AdaFlashService gone", lambda: cluster.get(c.SERVICE_KIND, ns, "qwen")
                  is None)

@@ -145,31 +145,32 @@ def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig 
     return paths
 
 
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Replace ``dst`` with a world-readable copy of ``src`` (staged, then renamed)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+
+
 def ship(build_dir: Path, assets_dir: Path | None = None) -> None:
-    """Copy the built target and the held-out workloads into the package's assets."""
+    """Copy the built target, drafter and held-out workloads into the package's assets."""
     from sglang_adaflash import assets
 
     assets_dir = Path(assets_dir) if assets_dir else assets.ASSETS_DIR
     build_dir = Path(build_dir)
-    src_target = build_dir / "target"
-    dst_target = assets_dir / "models" / "target"
-    tmp = dst_target.with_name("target.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src_target, tmp)
-    shutil.rmtree(dst_target, ignore_errors=True)
-    tmp.rename(dst_target)
+    (assets_dir / "models").mkdir(parents=True, exist_ok=True)
+    _copy_tree(build_dir / "target", assets_dir / "models" / "target")
     wl = assets_dir / "workloads"
     wl.mkdir(parents=True, exist_ok=True)
     for d in DOMAINS:
         shutil.copyfile(build_dir / "data" / f"{d}.heldout.jsonl", wl / f"{d}.heldout.jsonl")
     shutil.copyfile(build_dir / "data" / "manifest.json", wl / "manifest.json")
     if (build_dir / "drafter" / "manifest.json").exists():
-        dst = assets_dir / "models" / "drafter"
-        tmp = dst.with_name("drafter.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(build_dir / "drafter", tmp)
-        shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
+        _copy_tree(build_dir / "drafter", assets_dir / "models" / "drafter")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 ASSETS_DIR = Path(__file__).resolve().parent
 MODELS_DIR = ASSETS_DIR / "models"
 TARGET_DIR = MODELS_DIR / "target"
+DRAFTER_DIR = MODELS_DIR / "drafter"
 WORKLOADS_DIR = ASSETS_DIR / "workloads"
 DOMAINS: tuple[str, ...] = ("code", "math", "prose")
 

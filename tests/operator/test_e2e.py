@@ -8,6 +8,11 @@ What kmock cannot show and these do: the API server's schema validation and defa
 printer columns and the scale subresource, the real Job controller, and the garbage collector.
 The operator runs in-process (KopfRunner) against the cluster, watching one fresh namespace.
 
+To also check the chart in the cluster (the operator's image, its RBAC), build and load the image
+and name it: `docker build -f operator/Dockerfile -t adaflash-operator:e2e . && kind load
+docker-image adaflash-operator:e2e && ADAFLASH_E2E_OPERATOR_IMAGE=adaflash-operator:e2e pytest ...`
+(helm from `make tools` or $HELM).
+
 On a GPU cluster whose nodes can pull an SGLang + sglang-adaflash image, and whose default
 storage class offers ReadWriteMany with drafters/v000001 seeded, also set
 ADAFLASH_E2E_SERVING_IMAGE=<image> to check that serving pods start and report their drafter.
@@ -134,3 +139,33 @@ def test_operator_on_a_real_cluster(ns: str) -> None:
         wait("children gone", lambda: get("deploy", ns, "e2e") is None and
              get("cm", ns, "e2e-drafter") is None)
     assert runner.exception is None
+
+
+def test_chart_in_cluster(ns: str) -> None:
+    image = os.environ.get("ADAFLASH_E2E_OPERATOR_IMAGE")
+    if not image:
+        pytest.skip("set ADAFLASH_E2E_OPERATOR_IMAGE to an operator image the cluster can pull")
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    helm = os.environ.get("HELM") or str(root / ".cache" / "tools" / "helm")
+    repo, _, tag = image.rpartition(":")
+    release = f"af-{ns[-6:]}"
+
+    def run(*args: str) -> str:
+        r = subprocess.run([helm, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    run("install", release, str(root / "helm" / "adaflash"), "-n", ns, "--wait",
+        "--timeout", "180s", "--set", f"operator.image.repository={repo}",
+        "--set", f"operator.image.tag={tag}", "--set", "operator.image.pullPolicy=IfNotPresent",
+        "--set", f"operator.watchNamespaces={{{ns}}}", "--set", "operator.tickSeconds=2")
+    try:
+        kubectl("apply", "-f", "-", input=afs_yaml(ns))
+        wait("the operator to create the Deployment", lambda: get("deploy", ns, "e2e"), 180)
+        wait("status from the in-cluster operator", lambda: (
+            get("afs", ns, "e2e").get("status") or {}).get("servingVersion"), 180)
+        kubectl("delete", "afs/e2e", "-n", ns, "--wait=true", "--timeout=120s")
+    finally:
+        run("uninstall", release, "-n", ns)
+    assert get("crd", "default", f"{c.SERVICE_PLURAL}.{c.GROUP}") is not None  # kept

@@ -211,6 +211,8 @@ def step(*, cfg: Rollout, pinned: str, serving: str, state: dict | None,
                 f"{newest.version} is newer" if newest else f"fleet already serves {serving}"))
     if newest is None:
         _clear_stray(pods, set(), d)
+        if phase == "Gate":  # the candidate it waited with is gone
+            d.state = {}
         return d
     v = newest.version
     ok, reason, msg, fields = gate(newest, serving, serving_eval, cfg.min_tau_gain)

@@ -70,6 +70,11 @@ def test_no_ready_pods_waits_at_the_gate() -> None:
     assert not any(e[1] == "GatePassed" for e in d2.events)  # announced once
 
 
+def test_gate_wait_ends_when_the_candidate_goes() -> None:
+    d = run(state={"version": "v000002", "phase": "Gate"}, cands=[])
+    assert d.state == {}
+
+
 def test_newest_candidate_wins_and_older_ones_retire() -> None:
     older = Candidate("v000002", "v000001", {"chat": 5.0}, {"chat": 4.5})
     newer = Candidate("v000003", "v000001", {"chat": 5.1}, {"chat": 4.5})

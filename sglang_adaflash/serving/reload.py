@@ -40,7 +40,12 @@ from typing import Any, Protocol
 import torch
 
 from sglang_adaflash.drafter.checkpoint import CheckpointError, read_checkpoint, write_json_atomic
-from sglang_adaflash.drafter.manifest import MANIFEST_NAME, read_manifest
+from sglang_adaflash.drafter.manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    check_target,
+    read_manifest,
+)
 from sglang_adaflash.drafter.store import LATEST_NAME, VERSION_RE, drafters_dir, latest_version
 
 from .metrics import MetricsSink, NullSink
@@ -296,6 +301,7 @@ def stage_drafter(
     live_config: Any = None,
     require_manifest: bool = True,
     pin_memory: bool | None = None,
+    target_dir: str | os.PathLike | None = None,
 ) -> StagedDrafter:
     """Read and verify a published version; returns it in CPU memory in the live dtypes.
 
@@ -322,6 +328,11 @@ def stage_drafter(
             f"{path}/manifest.json says version {manifest.get('version')!r}, but the directory "
             f"is {version!r}: the volume is inconsistent; republish the version"
         )
+    if manifest is not None and target_dir is not None:
+        try:
+            check_target(manifest, target_dir)  # a drafter fits only the target it learned from
+        except ManifestError as e:
+            raise ReloadError(f"drafter version {version} rejected: {e}") from None
     check_config_frozen(live_config, config, str(path))
     check_against_live(state, expected, str(path))
     if dir_signature(path) != signature:
@@ -666,6 +677,7 @@ class HotReloader:
         sync_every_steps: int = 1,
         require_manifest: bool = True,
         report_async: bool = True,
+        target_dir: str | os.PathLike | None = None,
     ):
         self.source = source
         self.target = target
@@ -677,6 +689,7 @@ class HotReloader:
         self.sync_every_steps = max(1, sync_every_steps)
         self.require_manifest = require_manifest
         self.report_async = report_async
+        self.target_dir = target_dir
         self.status = ReloadStatus(loaded_version, time.time() if loaded_version else None)
         self._lock = threading.Lock()
         self._staged: StagedDrafter | None = None
@@ -718,6 +731,7 @@ class HotReloader:
                 expected=self._expected,
                 live_config=self.live_config,
                 require_manifest=self.require_manifest,
+                target_dir=self.target_dir,
             )
         except ReloadError as e:
             self._rejected[version] = dir_signature(path)

@@ -227,6 +227,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             poll_interval_s=float(os.environ.get(rl.ENV_POLL_S, "5")),
             sync_every_steps=int(os.environ.get(rl.ENV_SYNC_STEPS, "16")),
             require_manifest=os.environ.get(rl.ENV_REQUIRE_MANIFEST, "1") != "0",
+            target_dir=_local_config_dir(self.server_args.model_path),
         )
         reloader.start()
         return reloader
@@ -421,6 +422,11 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
         if self.__dict__.get("_ada_tp_rank") == 0 and "_ada_stats" in self.__dict__:
             self._ada_stats.complete(list(num_correct_drafts_per_req))
+
+
+def _local_config_dir(path) -> str | None:
+    """The target's directory when it is local (manifests name the target by its config)."""
+    return str(path) if path and os.path.isfile(os.path.join(str(path), "config.json")) else None
 
 
 def _remaining_tokens(batch) -> list[int] | None:

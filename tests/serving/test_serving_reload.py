@@ -489,3 +489,20 @@ def test_reporters_from_env(tmp_path):
     )
     assert [type(r).__name__ for r in reps] == ["StatusFileReporter", "PodAnnotationReporter"]
     assert reps[1].api_url == "https://10.0.0.1:443"
+
+
+def test_drafter_for_another_target_is_rejected(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"hidden_size": 16}')
+    home = tmp_path / "home"
+    v1 = _publish(home, seed=1)  # its manifest names a target with another config hash
+    expected = ModuleTarget(DFlashDrafter(_cfg())).expected()
+    with pytest.raises(ReloadError, match="was built for target 'tiny-target'"):
+        stage_drafter(home / "drafters" / v1, version=v1, expected=expected, target_dir=target)
+    from sglang_adaflash.drafter.manifest import target_fingerprint
+
+    cfg = _cfg()
+    v2 = publish_version(home, cfg, _state(cfg, 2), target=target_fingerprint(target))
+    staged = stage_drafter(home / "drafters" / v2, version=v2, expected=expected, target_dir=target)
+    assert staged.version == v2

@@ -387,6 +387,18 @@ def cmd_bench(args) -> int:
     return bench_and_write(cfg, args.out, progress=not args.quiet, strict=args.strict)
 
 
+def _sample_workloads(files: list[Path], total: int, out: Path) -> Path:
+    """The first lines of every workload file, about total/len(files) each, into one JSONL file."""
+    per_file = max(1, -(-total // len(files)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for f in files:
+        taken = [line for line in f.read_text(encoding="utf-8").splitlines() if line.strip()][:per_file]
+        lines.extend(taken)
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
 def cmd_demo(args) -> int:
     from ..assets import MODELS_DIR, WORKLOADS_DIR
 
@@ -394,9 +406,10 @@ def cmd_demo(args) -> int:
     workloads = sorted(WORKLOADS_DIR.glob("*.heldout.jsonl")) if WORKLOADS_DIR.is_dir() else []
     if (target / "config.json").is_file() and (drafter / "config.json").is_file() and workloads:
         print(f"demo: the embedded pair {MODELS_DIR} on {len(workloads)} held-out workload(s)", file=sys.stderr)
-        cfg = BenchConfig(target=str(target), drafter=str(drafter), prompts=[str(w) for w in workloads],
+        prompts = _sample_workloads(workloads, args.num_prompts or 24, Path(args.out) / "demo-prompts.jsonl")
+        cfg = BenchConfig(target=str(target), drafter=str(drafter), prompts=[str(prompts)],
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
-                          num_prompts=args.num_prompts, device=args.device, label="embedded pair, held-out workloads")
+                          device=args.device, label="embedded pair, held-out workloads")
     else:
         from ..testing import PRESETS, build_tiny_pair, write_tiny_workload
 

@@ -153,3 +153,26 @@ def test_tiny_pair_module_main_reuses_the_pair(tmp_path, capsys):
     assert tiny_main([str(tmp_path / "p")]) == 0 and weights.stat().st_mtime_ns == mtime  # same spec: reused
     lines = (tmp_path / "p" / "workload.jsonl").read_text().splitlines()
     assert len(lines) == 4 and {json.loads(line)["domain"] for line in lines} == {"code", "math", "prose"}
+
+
+def test_demo_uses_the_embedded_pair_when_present(tiny_pair, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import sglang_adaflash.assets as assets
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_pair.target_dir, models / "target")
+    shutil.copytree(tiny_pair.drafter_dir, models / "drafter")
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    for domain in ("code", "math"):
+        rows = [{"id": f"{domain}/{i}", "domain": domain, "prompt": f"{domain} question {i}", "response": "x"} for i in range(5)]
+        (workloads / f"{domain}.heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(assets, "MODELS_DIR", models)
+    monkeypatch.setattr(assets, "WORKLOADS_DIR", workloads)
+    rc = main(["demo", "--out", str(tmp_path / "out"), "--concurrency", "2", "--modes", "ar,dflash",
+               "--max-new-tokens", "3", "--num-prompts", "4", "--quiet"])
+    assert rc == 0 and "the embedded pair" in capsys.readouterr().err
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["workload"]["prompts"] == 4  # two from each domain's file
+    assert set(next(r for r in doc["results"] if r["mode"] == "dflash")["per_domain"]) == {"code", "math"}

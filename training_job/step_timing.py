@@ -8,7 +8,9 @@ It times, at batch 1 with a warm KV cache of ``--context`` tokens:
 - target verify: a block of ``--block`` tokens through the whole target (the spec-decode verify);
 - drafter step: a DFlash drafter of 1 and of 2 layers at the target's hidden size (random
   weights: cost does not depend on them) over one block, attending to ``--context`` cached
-  context features, plus the target's LM head over the block.
+  context features, plus the target's LM head over the block;
+- the same drafter code with as many layers as the target: the target's per-step compute
+  without Hugging Face's per-call overhead.
 
 Medians over ``--repeats`` runs after warm-up; the machine is shared, so medians, not means.
 """
@@ -102,8 +104,13 @@ def measure(target_dir: Path, context: int, block: int, repeats: int, threads: i
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     out = {"context": context, "block": block, "threads": threads, "dtype": "float32"}
     out.update(time_target(target, context, block, repeats))
-    for layers in (1, 2):
+    n = target.config.num_hidden_layers
+    # The same layer code with as many layers as the target: the target's compute without the
+    # HF Python overhead, so the ratio below is the honest one.
+    for layers in (1, 2, n):
         out[f"drafter_{layers}l_step_ms"] = time_drafter(target, layers, context, block, repeats)
+    out["target_sized_stack_over_drafter_1l"] = (out[f"drafter_{n}l_step_ms"]
+                                                 / out["drafter_1l_step_ms"])
     out["verify_over_drafter_1l"] = out["target_verify_ms"] / out["drafter_1l_step_ms"]
     out["decode_over_drafter_1l"] = out["target_decode_ms"] / out["drafter_1l_step_ms"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}

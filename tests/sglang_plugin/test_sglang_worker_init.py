@@ -39,6 +39,7 @@ def bare_worker(draft_dir, mode="compact", ragged_backend=True, env=None):
         _ada_opts=AdaFlashOptions.resolve(draft_dir, env=env or {}),
         _ada_mode=mode,
         _ada_ckpt=draft_dir,
+        server_args=SimpleNamespace(model_path=None),
     )
     return w
 

@@ -7,7 +7,9 @@ merge-patch, delete). Errors come back as ApiError with the server's status code
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -68,8 +70,8 @@ def _session() -> aiohttp.ClientSession:
     if s is None or s.closed:
         headers = {"Accept": "application/json", **_info.as_http_headers()}
         conn = aiohttp.TCPConnector(ssl=_info.as_ssl_context())
-        s = aiohttp.ClientSession(base_url=_info.server.rstrip("/") + "/", headers=headers,
-                                  connector=conn, timeout=aiohttp.ClientTimeout(total=30))
+        s = aiohttp.ClientSession(headers=headers, connector=conn,
+                                  timeout=aiohttp.ClientTimeout(total=30))
         _sessions[id(loop)] = s
     return s
 
@@ -80,19 +82,41 @@ async def close() -> None:
     _sessions.clear()
 
 
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+async def _refresh_token() -> bool:
+    """Bound service-account tokens rotate; re-read the mounted one after a 401."""
+    global _info
+    if _info is None or not os.path.exists(SA_TOKEN):
+        return False
+    with open(SA_TOKEN, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token or token == _info.token:
+        return False
+    _info = dataclasses.replace(_info, token=token)
+    await close()  # the next request opens a session with the new token
+    return True
+
+
 async def _request(method: str, url: str, body: Any = None,
-                   content_type: str = "application/json") -> Any:
+                   content_type: str = "application/json", _retry: bool = True) -> Any:
     data = json.dumps(body) if body is not None else None
     headers = {"Content-Type": content_type} if data is not None else {}
-    async with _session().request(method, url.lstrip("/"), data=data, headers=headers) as r:
-        text = await r.text()
-        if r.status >= 400:
-            try:
-                msg = json.loads(text).get("message", text)
-            except (ValueError, AttributeError):
-                msg = text
-            raise ApiError(r.status, f"{method} {url}: {msg}")
-        return json.loads(text) if text else None
+    session = _session()  # raises a clear error before the first login
+    assert _info is not None
+    full = _info.server.rstrip("/") + url
+    async with session.request(method, full, data=data, headers=headers) as r:
+        status, text = r.status, await r.text()
+    if status == 401 and _retry and await _refresh_token():
+        return await _request(method, url, body, content_type, _retry=False)
+    if status >= 400:
+        try:
+            msg = json.loads(text).get("message", text)
+        except (ValueError, AttributeError):
+            msg = text
+        raise ApiError(status, f"{method} {url}: {msg}")
+    return json.loads(text) if text else None
 
 
 async def get(kind: str, namespace: str, name: str) -> dict | None:

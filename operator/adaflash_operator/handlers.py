@@ -307,7 +307,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                     if e.status != 409:
                         raise
                 await _set_drafter_phase(dv, "Candidate", "Published",
-                                         f"published by Job {active}", {}, logger)
+                                         f"published by Job {active}", {}, logger,
+                                         only_if_new=True)
                 msg = f"Job {active} published {report['version']}"
                 kopf.info(body, reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
@@ -374,13 +375,15 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
 
 
 async def _set_drafter_phase(dv: dict, phase: str, reason: str, message: str, fields: dict,
-                             logger: logging.Logger) -> None:
+                             logger: logging.Logger, only_if_new: bool = False) -> None:
+    """Record a phase transition on a DrafterVersion (idempotent), with an Event."""
     meta = dv["metadata"]
     live = await kube.get(c.DRAFTER_KIND, meta["namespace"], meta["name"])
     if live is None:
         return
     cur = live.get("status") or {}
-    if cur.get("phase") == phase and cur.get("reason") == reason:
+    if (cur.get("phase") == phase and cur.get("reason") == reason) or \
+            (only_if_new and cur.get("phase")):
         return
     history = list(cur.get("history") or [])[-19:]
     history.append({"phase": phase, "reason": reason, "time": _ts(_now())})

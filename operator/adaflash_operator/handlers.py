@@ -38,7 +38,7 @@ def _ts(t: dt.datetime) -> str:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Fires once when the operator starts."""
-    settings.posting.level = logging.INFO
+    settings.posting.level = logging.WARNING  # handler logs; our own events are explicit
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix="kopf.adaflash.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -310,7 +310,7 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                                          f"published by Job {active}", {}, logger,
                                          only_if_new=True)
                 msg = f"Job {active} published {report['version']}"
-                kopf.info(body, reason="Published", message=msg)
+                kopf.event(body, type="Normal", reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
                 new.update(activeJob=None, consecutiveFailures=0, lastSuccessAt=_ts(now),
                            retryAfter=None, lastError=None)
@@ -359,7 +359,7 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                     raise
             msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
                    f"{fleet})")
-            kopf.info(body, reason="DistillationStarted", message=msg)
+            kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
             metrics.DISTILL_JOBS.labels("started").inc()
             new.update(activeJob=jname, round=round_, lastRoundAt=_ts(now))
             if not retry:

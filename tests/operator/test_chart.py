@@ -25,7 +25,7 @@ CHART = ROOT / "helm" / "adaflash"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]
 ALL_ON = ["--set", "metrics.serviceMonitor.enabled=true", "--set",
           "metrics.servingMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
-          "--set", "example.enabled=true"]
+          "--set", "example.enabled=true", "--set", "servingPodGuard.enabled=true"]
 VALUE_SETS = {
     "defaults": [],
     "everything": ALL_ON,

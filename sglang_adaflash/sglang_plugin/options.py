@@ -94,14 +94,29 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | No
         raise OptionError(f"{name}={raw!r}: expected an integer") from None
 
 
+def _cached_hub_config(repo_id: str) -> Path | None:
+    """config.json of a Hugging Face repo id if SGLang already fetched it (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # not a valid repo id, or no cache
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def read_draft_config(draft_path: str | os.PathLike | None) -> dict[str, Any]:
-    """The drafter's config.json as a dict; {} when the path is not a local directory (e.g. a
-    hub id that SGLang resolves itself)."""
+    """The drafter's config.json as a dict: from a local directory, or from the local Hugging
+    Face cache for a hub id (SGLang fetches the config before ADAFLASH reads it); {} otherwise."""
     if not draft_path:
         return {}
     path = Path(draft_path) / "config.json"
     if not path.is_file():
-        return {}
+        path = _cached_hub_config(str(draft_path))
+        if path is None:
+            return {}
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -87,3 +87,19 @@ def test_every_variable_is_documented():
     doc = (__import__("pathlib").Path(__file__).parents[2] / "docs" / "sglang.md").read_text()
     missing = [name for name in ENV_VARS if name not in doc]
     assert not missing, f"docs/sglang.md does not document {missing}"
+
+
+def test_hub_id_config_comes_from_the_local_cache(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--drafter" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (cache / "models--org--drafter" / "refs").mkdir()
+    (cache / "models--org--drafter" / "refs" / "main").write_text("a" * 40)
+    _draft(snap, length_head_rate=1.7)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    opts = AdaFlashOptions.resolve("org/drafter", env={})
+    assert opts.use_length_head and opts.rate == 1.7 and opts.block_size == 8

@@ -198,3 +198,23 @@ def test_create_worker_returns_our_dflash_subclass(registered, model_pair, clean
     args.resolve_once()
     worker_cls = registered.create_worker(args)
     assert worker_cls is AdaFlashWorkerV2 and issubclass(worker_cls, DFlashWorkerV2)
+
+
+def test_sglang_reads_our_drafter_config_as_we_do(model_pair):
+    """SGLang's own DFlash config parser agrees with ours on a checkpoint we publish."""
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from transformers import AutoConfig
+
+    from sglang_adaflash.drafter.checkpoint import read_config
+
+    ours = read_config(model_pair["head"])
+    theirs = parse_dflash_draft_config(
+        draft_hf_config=AutoConfig.from_pretrained(model_pair["head"])
+    )
+    assert theirs.block_size == ours.block_size == 8
+    assert theirs.mask_token_id == ours.mask_token_id
+    assert list(theirs.target_layer_ids) == ours.target_layer_ids
+    assert theirs.num_target_layers == ours.num_target_layers
+    assert theirs.require_num_layers() == ours.num_hidden_layers
+    hf = AutoConfig.from_pretrained(model_pair["head"])
+    assert hf.architectures == ["DFlashDraftModel"]

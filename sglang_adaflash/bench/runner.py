@@ -266,14 +266,6 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                 row.update(steps=0, accepted_by_position=[0] * max(block - 1, 0), decoded_tokens_incl_padding=hf_decoded,
                            padding_waste=1 - stats[mode]["generated_tokens"] / hf_decoded if hf_decoded else None)
             results.append(row)
-        for row in results:
-            if row["concurrency"] != c:
-                continue
-            for ref in ("hf", "ar"):
-                ref_row = next((r for r in results if r["concurrency"] == c and r["mode"] == ref), None)
-                row[f"speedup_vs_{ref}"] = row["throughput_tok_s"] / ref_row["throughput_tok_s"] if ref_row else None
-                row[f"cpu_speedup_vs_{ref}"] = (row["tokens_per_cpu_s"] / ref_row["tokens_per_cpu_s"]
-                                                if ref_row and row["tokens_per_cpu_s"] and ref_row["tokens_per_cpu_s"] else None)
         if "ar" in first:
             for mode in ("dflash", "adaflash"):
                 if mode not in first:
@@ -288,6 +280,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                 hf_agreement[str(c)] = same / len(first["ar"])
         del engines
     bar.close()
+    add_speedups(results, runs)
     equality = {
         "reference": "ar" if "ar" in cfg.modes else None,
         "checked_modes": [m for m in ("dflash", "adaflash") if m in cfg.modes] if "ar" in cfg.modes else [],
@@ -314,6 +307,31 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
     }
 
 
+def add_speedups(results: list[dict], runs: list[dict]) -> None:
+    """speedup_vs_{hf,ar} (medians), cpu_speedup_vs_* and paired_* (median of per-repeat ratios)."""
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    for row in results:
+        c = row["concurrency"]
+        for ref in ("hf", "ar"):
+            ref_row = next((r for r in results if r["concurrency"] == c and r["mode"] == ref), None)
+            if ref_row is None:
+                for key in ("speedup", "cpu_speedup", "paired_speedup", "paired_cpu_speedup"):
+                    row[f"{key}_vs_{ref}"] = None
+                continue
+            row[f"speedup_vs_{ref}"] = ratio(row["throughput_tok_s"], ref_row["throughput_tok_s"])
+            row[f"cpu_speedup_vs_{ref}"] = ratio(row.get("tokens_per_cpu_s"), ref_row.get("tokens_per_cpu_s"))
+            # within each repeat the two runs are close in time; the median of those ratios
+            # resists the load swings of a shared machine better than a ratio of medians
+            mine = [r for r in runs if r["concurrency"] == c and r["mode"] == row["mode"]]
+            theirs = [r for r in runs if r["concurrency"] == c and r["mode"] == ref]
+            wall = [ratio(x["throughput_tok_s"], y["throughput_tok_s"]) for x, y in zip(mine, theirs)]
+            cpu = [ratio(x.get("tokens_per_cpu_s"), y.get("tokens_per_cpu_s")) for x, y in zip(mine, theirs)]
+            row[f"paired_speedup_vs_{ref}"] = statistics.median(wall) if wall and None not in wall else None
+            row[f"paired_cpu_speedup_vs_{ref}"] = statistics.median(cpu) if cpu and None not in cpu else None
+
+
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -328,6 +346,10 @@ def format_table(doc: dict) -> str:
             f"{_fmt(r.get('tokens_per_cpu_s'), '.1f'):>9} {_fmt(r.get('cpu_speedup_vs_hf'), '.2f'):>6} {_fmt(r.get('tau'), '.2f'):>5} {_fmt(r.get('verify_efficiency'), '.3f'):>10} {_fmt(r.get('mean_verify_len'), '.2f'):>6} "
             f"{_fmt(r.get('mean_batch_size'), '.1f'):>6}"
         )
+    for r in doc["results"]:
+        if r["mode"] != "hf" and r.get("paired_speedup_vs_hf") is not None and len(r.get("throughput_samples", [])) > 1:
+            lines.append(f"{r['mode']} vs hf @c={r['concurrency']}, per-repeat ratios (median): wall "
+                         f"{r['paired_speedup_vs_hf']:.2f}x, cpu {_fmt(r.get('paired_cpu_speedup_vs_hf'), '.2f')}x")
     for r in doc["results"]:
         lh = r.get("length_head")
         if lh:

@@ -56,7 +56,7 @@ def test_bench_writes_results_and_plot(tiny_pair, workload, tmp_path, capsys):
 
 
 def test_mixed_lengths_are_honoured_by_every_mode(tiny_pair, workload, tmp_path, capsys):
-    assert _bench(tiny_pair, workload, tmp_path, "--mixed-lengths", "--modes", "hf,ar", "--waves", "2") == 0
+    assert _bench(tiny_pair, workload, tmp_path, "--mixed-lengths", "--modes", "hf,ar", "--waves", "2", "--repeats", "2") == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["mode"], r["concurrency"]): r for r in doc["results"]}
     rng = runner.random.Random(0)
@@ -69,6 +69,14 @@ def test_mixed_lengths_are_honoured_by_every_mode(tiny_pair, workload, tmp_path,
     assert rows[("hf", 3)]["padding_waste"] > 0
     assert rows[("hf", 3)]["decoded_tokens_incl_padding"] == 3 * max(lengths[:3]) + 3 * max(lengths[3:6])
     assert rows[("ar", 3)]["mean_batch_size"] < 3
+    assert len(doc["runs"]) == 2 * 2 * 2  # modes x concurrencies x repeats
+    for c in (1, 3):
+        ar, hf = rows[("ar", c)], rows[("hf", c)]
+        assert len(ar["throughput_samples"]) == 2 and ar["paired_speedup_vs_ar"] == 1.0
+        runs = {(r["mode"], r["repeat"]): r["throughput_tok_s"] for r in doc["runs"] if r["concurrency"] == c}
+        per_repeat = sorted(runs[("ar", i)] / runs[("hf", i)] for i in range(2))
+        assert ar["paired_speedup_vs_hf"] == pytest.approx(sum(per_repeat) / 2)
+        assert hf["cpu_speedup_vs_hf"] == pytest.approx(1.0)
 
 
 def test_equality_check_catches_a_lossy_verifier(tiny_pair, workload, tmp_path, capsys, monkeypatch):

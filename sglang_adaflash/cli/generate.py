@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.request import Request, RequestOutput, RequestStats
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import RequestError, SamplingParams
 from .loading import LoadedPair, load_pair
 from .prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
 
@@ -135,6 +135,10 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:  # the shared sampling settings are checked once, before any model is loaded
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens).validate(vocab_size=1)
+    except RequestError as e:
+        raise CLIError(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p").replace("temperature", "--temperature")) from None
     if args.prompt is not None:
         specs = [PromptSpec(id="0", text=args.prompt, where="--prompt")]
     else:

@@ -129,6 +129,17 @@ def test_bad_target_and_prompt_file_exit_2(tiny_pair, tmp_path, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "--temperature must be a finite number >= 0"),
+    ("--top-p", "0", "--top-p must lie in (0, 1]"),
+    ("--top-k", "-2", "--top-k must be an integer >= 0"),
+])
+def test_bad_sampling_flags_exit_2_before_loading(tmp_path, capsys, flag, value, message):
+    rc = main(["generate", "--target", str(tmp_path / "none"), "--prompt", "x", flag, value])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
 def test_adaflash_needs_a_length_head(tmp_path, capsys):
     from sglang_adaflash.testing import build_tiny_pair
 

@@ -439,7 +439,7 @@ def cmd_demo(args) -> int:
         print(f"demo: the embedded model pair is not there yet ({MODELS_DIR}); building a tiny RANDOM pair in {root} "
               "instead. Its drafter accepts almost nothing: expect no speculative speedup.", file=sys.stderr)
         pair = build_tiny_pair(root, seed=0, **PRESETS["engine-tiny"])
-        prompts = write_tiny_workload(root / "workload.jsonl", num_prompts=24, seed=0)
+        prompts = write_tiny_workload(root / "workload.jsonl", num_prompts=args.num_prompts or 16, seed=0)
         cfg = BenchConfig(target=str(pair.target_dir), drafter=str(pair.drafter_dir), prompts=[str(prompts)],
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
                           num_prompts=args.num_prompts, device=args.device, ignore_eos=True,

@@ -196,7 +196,7 @@ def events(cl: Cluster, ns: str) -> list[dict]:
     return (cl.request("GET", f"/api/v1/namespaces/{ns}/events") or {}).get("items") or []
 
 
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 15.0, every: float = 0.05) -> Any:
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.05) -> Any:
     """Poll `fn` until it returns a truthy value; fail with `what` and the last value."""
     deadline = time.monotonic() + timeout
     last: Any = None

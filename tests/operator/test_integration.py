@@ -230,13 +230,13 @@ def test_job_failure_is_retried_with_condition(cluster: Cluster, namespace: str,
         assert "qwen-distill-1-1" in cond["message"] and "CUDA out of memory" in cond["message"]
         assert status(cluster, ns)["distillation"]["consecutiveFailures"] == 1
         # After the backoff (1 s) the same round is tried again, whatever the traffic.
-        wait_for("the retry", lambda: cluster.get("Job", ns, "qwen-distill-1-2"), timeout=10)
+        wait_for("the retry", lambda: cluster.get("Job", ns, "qwen-distill-1-2"), timeout=20)
         assert cluster.get("Job", ns, "qwen-distill-2-1") is None
         # A bad report is a failure too, with a message that says what the Job must write.
         finish_job(cluster, ns, "qwen-distill-1-2", ok=True, message="done!")
         wait_for("the report error", lambda: "not JSON" in condition(
             cluster, ns, "DistillationFailed").get("message", ""))
-        wait_for("the third try", lambda: cluster.get("Job", ns, "qwen-distill-1-3"), timeout=10)
+        wait_for("the third try", lambda: cluster.get("Job", ns, "qwen-distill-1-3"), timeout=20)
         finish_job(cluster, ns, "qwen-distill-1-3", ok=True, message=report("v000002"))
         wait_for("recovery", lambda: condition(cluster, ns, "DistillationFailed").get(
             "status") == "False")

@@ -152,9 +152,12 @@ class SpecEngine:
             joined.append(self.waiting.popleft())
         if joined:
             self._prefill(joined)
-        elif self.running:
+            finished = self._retire()  # e.g. max_new_tokens 1, or a stop token first
+        else:
+            finished = []
+        if self.running:  # running requests never wait for a prefill to finish a whole step
             self._decode_step()
-        return self._retire()
+        return finished + self._retire()
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""

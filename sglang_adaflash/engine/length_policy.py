@@ -19,6 +19,7 @@ are cut first, from the requests least likely to reach them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,18 +37,22 @@ class StepCostModel:
             raise ValueError(f"cost model needs fixed >= 0 and per_token > 0, got {self}")
 
 
-def survival_rate(ratio: torch.Tensor, block_size: int, iters: int = 40) -> torch.Tensor:
+@functools.cache
+def _tau_table(block_size: int, points: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[tau](a) = sum_{s<B} a^s on a grid of a in [0, 1): increasing, so it inverts by search."""
+    a = torch.linspace(0.0, 1.0, points + 1, dtype=torch.float64)[:-1]
+    tau = (a[:, None] ** torch.arange(block_size, dtype=torch.float64)).sum(-1)
+    return a.float(), tau.float()
+
+
+def survival_rate(ratio: torch.Tensor, block_size: int) -> torch.Tensor:
     """Per-proposal survival a in [0, 1) whose truncated geometric mean tau matches ratio * B."""
-    tau = (ratio.float() * block_size).clamp(1.0, block_size - 1e-3)
-    lo = torch.zeros_like(tau)
-    hi = torch.ones_like(tau)
-    powers = torch.arange(block_size, dtype=torch.float32, device=tau.device)
-    for _ in range(iters):  # E[tau](a) = sum_{s<B} a^s is increasing in a
-        mid = (lo + hi) / 2
-        mean = (mid[:, None] ** powers).sum(-1)
-        lo = torch.where(mean < tau, mid, lo)
-        hi = torch.where(mean < tau, hi, mid)
-    return (lo + hi) / 2
+    grid, tau_grid = _tau_table(block_size)
+    tau = (ratio.float().cpu() * block_size).clamp(1.0, block_size - 1e-3)
+    hi = torch.searchsorted(tau_grid, tau).clamp(1, grid.numel() - 1)
+    lo = hi - 1
+    frac = (tau - tau_grid[lo]) / (tau_grid[hi] - tau_grid[lo])  # linear between grid points
+    return grid[lo] + frac.clamp(0, 1) * (grid[hi] - grid[lo])
 
 
 def choose_verify_lengths(

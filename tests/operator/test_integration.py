@@ -368,3 +368,24 @@ def test_interrupted_canary_is_redone(cluster: Cluster, namespace: str, kubeconf
             "phase") == "Canary")
         assert list(wait_for("a canary pod", lambda: desired(cluster, ns)).values()) == [
             "v000002"]
+
+
+def test_worse_live_acceptance_rolls_back_after_the_bake(cluster: Cluster, namespace: str,
+                                                         kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen", tau=5.0)
+        publish(cluster, ns, pods, report("v000002"))
+        (pod,) = wait_for("a canary pod", lambda: desired(cluster, ns))
+        annotate(cluster, ns, pod, loaded="v000002", tau="4.0")  # -20% against the other pod
+        wait_for("baking", lambda: status(cluster, ns).get("rollout", {}).get("phase") in (
+            "Baking", "RolledBack"))
+        wait_for("rollback", lambda: dv_phase(cluster, ns, "v000002") == "RolledBack")
+        dv = cluster.get(c.DRAFTER_KIND, ns, "qwen-v000002")
+        assert dv["status"]["reason"] == "LiveTauDrop" and dv["status"]["liveTau"] == 4.0
+        wait_for("annotation removed", lambda: desired(cluster, ns) == {})
+        assert fleet_version(cluster, ns) == "v000001"
+        assert [h["phase"] for h in dv["status"]["history"]] == ["Candidate", "Canary",
+                                                                 "RolledBack"]

@@ -150,6 +150,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
+    tmp.chmod(0o755)
     for f in tmp.iterdir():
         f.chmod(0o644)
     shutil.rmtree(dst, ignore_errors=True)

@@ -51,7 +51,7 @@ class DrafterTrainConfig:
     # Drafter optimisation.
     anchors_per_seq: int = 24
     batch_size: int = 4  # sequences per step
-    max_steps: int = 600
+    max_steps: int = 2000
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 20
@@ -59,7 +59,7 @@ class DrafterTrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0
     # Length head.
-    head_steps: int = 150
+    head_steps: int = 400
     head_lr: float = 2e-4
     # Bookkeeping.
     seed: int = 1234

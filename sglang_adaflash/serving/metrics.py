@@ -379,3 +379,49 @@ class FanoutSink:
 
     def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
         self._each("count_traffic_records", n, domain)
+
+
+class AcceptanceWindow:
+    """Live mean acceptance length (tau, bonus token included) for the pod annotation.
+
+    A sink: it sums drafts and accepted proposals from the step stats the worker already records,
+    and :meth:`take` turns them into tau over the steps since the previous take, once at least
+    ``min_drafts`` drafts have been seen (fewer: the window grows until they have). Between takes
+    the last value holds, so an idle pod keeps reporting its last tau. A new drafter version
+    starts afresh: until its own steps fill a window, :meth:`take` returns None, so nobody reads
+    the old version's tau as the new one's.
+    """
+
+    def __init__(self, min_drafts: int = 32) -> None:
+        self.min_drafts = max(1, min_drafts)
+        self._lock = threading.Lock()
+        self._drafts = 0
+        self._accepted = 0
+        self._tau: float | None = None
+        self._version: str | None = None
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        with self._lock:
+            self._drafts += stats.num_drafts
+            self._accepted += stats.num_accepted_tokens
+
+    def set_drafter_version(self, version: str) -> None:
+        with self._lock:
+            if version != self._version:
+                self._version = version
+                self._drafts = self._accepted = 0
+                self._tau = None
+
+    def count_reload(self, result: str) -> None:
+        pass
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        pass
+
+    def take(self) -> float | None:
+        """Tau over the window that just closed, else the last one (None: none yet)."""
+        with self._lock:
+            if self._drafts >= self.min_drafts:
+                self._tau = self._accepted / self._drafts + 1.0
+                self._drafts = self._accepted = 0
+            return self._tau

@@ -19,7 +19,9 @@ Pieces, each usable alone:
 - :class:`HotReloader` glues them: a watcher thread stages; ``at_step_boundary()``, called by the
   worker before each decode step, makes tensor-parallel ranks agree and swaps.
 - Reporters publish the loaded version: a status file (read by ``GET /adaflash/v1/drafter``), the
-  ``adaflash_drafter_info`` metric, and the pod annotation ``adaflash.io/loaded-drafter-version``.
+  ``adaflash_drafter_info`` metric, and the pod annotations ``adaflash.io/loaded-drafter-version``
+  and ``adaflash.io/drafter-load-error`` (:class:`PodAnnotationReporter`, which also carries the
+  live ``acceptance-tau`` and ``traffic-records`` that :mod:`.pod_status` publishes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,20 +55,41 @@ from .metrics import MetricsSink, NullSink
 
 logger = logging.getLogger(__name__)
 
-# Environment variables (documented in docs/sglang.md).
+# Environment variables (documented in docs/sglang.md). The Kubernetes names are the operator's
+# contract (operator/adaflash_operator/contract.py); tests/serving/test_operator_contract.py
+# checks that both sides spell them the same.
 ENV_HOME = "ADAFLASH_HOME"
-ENV_VERSION_FILE = "ADAFLASH_DESIRED_VERSION_FILE"
+ENV_FLEET_VERSION_FILE = "ADAFLASH_FLEET_VERSION_FILE"
+#: Older name of ``ADAFLASH_FLEET_VERSION_FILE``, still read when the new one is unset.
+ENV_VERSION_FILE_ALIAS = "ADAFLASH_DESIRED_VERSION_FILE"
 ENV_ANNOTATIONS_FILE = "ADAFLASH_POD_ANNOTATIONS_FILE"
+ENV_POD_NAME = "ADAFLASH_POD_NAME"
+ENV_POD_NAMESPACE = "ADAFLASH_POD_NAMESPACE"
+#: Generic downward-API names, read when the ``ADAFLASH_`` ones are unset.
+ENV_POD_NAME_FALLBACK = "POD_NAME"
+ENV_POD_NAMESPACE_FALLBACK = "POD_NAMESPACE"
 ENV_OVERRIDE_FILE = "ADAFLASH_ADMIN_OVERRIDE_FILE"
 ENV_FOLLOW_LATEST = "ADAFLASH_FOLLOW_LATEST"
 ENV_STATUS_FILE = "ADAFLASH_LOADED_VERSION_FILE"
 ENV_POLL_S = "ADAFLASH_RELOAD_POLL_S"
 ENV_SYNC_STEPS = "ADAFLASH_RELOAD_SYNC_STEPS"
 ENV_REQUIRE_MANIFEST = "ADAFLASH_RELOAD_REQUIRE_MANIFEST"
+ENV_POD_REPORT_S = "ADAFLASH_POD_REPORT_S"
 
 DEFAULT_HOME = "/var/lib/adaflash"
+# Where the operator mounts the fleet ConfigMap key and the downward-API annotations.
+FLEET_VERSION_FILE = "/etc/adaflash/fleet/drafter-version"
+POD_ANNOTATIONS_FILE = "/etc/adaflash/pod/annotations"
+
+# Pod annotations. Written by the operator (canary pods only; overrides the fleet version):
 DESIRED_ANNOTATION = "adaflash.io/desired-drafter-version"
+# Written by the serving pod on itself:
 LOADED_ANNOTATION = "adaflash.io/loaded-drafter-version"
+LOAD_ERROR_ANNOTATION = "adaflash.io/drafter-load-error"  # "<version>: <reason>"
+ACCEPTANCE_TAU_ANNOTATION = "adaflash.io/acceptance-tau"  # decimal string
+TRAFFIC_RECORDS_ANNOTATION = "adaflash.io/traffic-records"  # integer string
+#: Longest load-error reason written to the annotation (the API limits all annotations to 256 KiB).
+MAX_ERROR_CHARS = 1024
 
 
 class ReloadError(RuntimeError):
@@ -149,8 +173,8 @@ class DesiredVersionSource:
     """Reads which drafter version this process should serve.
 
     Priority: ``override_file`` (admin HTTP call) > ``annotations_file`` key
-    ``annotation_key`` (per-pod canary) > ``version_file`` (fleet version) > ``drafters/latest``
-    when ``follow_latest``. A source that is absent, empty or not a version name is skipped; the
+    ``annotation_key`` (per-pod canary) > ``version_file`` (fleet version, from
+    ``ADAFLASH_FLEET_VERSION_FILE``) > ``drafters/latest`` when ``follow_latest``. A source that is absent, empty or not a version name is skipped; the
     value ``latest`` in any of them means the version ``drafters/latest`` names.
     """
 
@@ -170,7 +194,7 @@ class DesiredVersionSource:
 
         return cls(
             home=Path(env.get(ENV_HOME) or DEFAULT_HOME),
-            version_file=path(ENV_VERSION_FILE),
+            version_file=path(ENV_FLEET_VERSION_FILE) or path(ENV_VERSION_FILE_ALIAS),
             annotations_file=path(ENV_ANNOTATIONS_FILE),
             override_file=path(ENV_OVERRIDE_FILE),
             follow_latest=env.get(ENV_FOLLOW_LATEST, "0").lower() in ("1", "true", "yes"),
@@ -183,7 +207,7 @@ class DesiredVersionSource:
         if annotations is not None:
             yield "pod annotation", parse_downward_annotations(annotations).get(self.annotation_key)
         fleet = _read_text(self.version_file)
-        yield "version file", fleet.strip() if fleet else None
+        yield "fleet version file", fleet.strip() if fleet else None
         if self.follow_latest:
             yield "drafters/latest", LATEST_NAME
 
@@ -550,12 +574,43 @@ class StatusFileReporter:
         write_json_atomic(self.path, status)
 
 
-class PodAnnotationReporter:
-    """Sets ``adaflash.io/loaded-drafter-version`` on this pod through the Kubernetes API.
+def pod_identity(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """This pod's (name, namespace) from the environment: the operator's ``ADAFLASH_POD_NAME`` /
+    ``ADAFLASH_POD_NAMESPACE``, else the generic ``POD_NAME`` / ``POD_NAMESPACE``."""
+    name = env.get(ENV_POD_NAME) or env.get(ENV_POD_NAME_FALLBACK) or None
+    namespace = env.get(ENV_POD_NAMESPACE) or env.get(ENV_POD_NAMESPACE_FALLBACK) or None
+    return name, namespace
 
-    Needs ``POD_NAME`` (downward API ``metadata.name``), the namespace (``POD_NAMESPACE`` or the
-    service account's namespace file) and RBAC ``patch`` on pods. Only the loaded version changes
-    the annotation, so repeated status reports cost nothing.
+
+def load_error_value(version: str | None, reason: str) -> str:
+    """The ``adaflash.io/drafter-load-error`` value: ``"<version>: <reason>"``, one line, capped."""
+    reason = " ".join(str(reason).split())
+    if len(reason) > MAX_ERROR_CHARS:
+        reason = reason[: MAX_ERROR_CHARS - 3] + "..."
+    return f"{version or '?'}: {reason}"
+
+
+#: ``transport(body)`` sends one merge-patch body for this pod; raises on failure.
+PatchTransport = Callable[[dict[str, Any]], None]
+
+
+class PodAnnotationReporter:
+    """Keeps this pod's ``adaflash.io/`` status annotations up to date through the Kubernetes API.
+
+    Annotations (the operator's contract, docs/operator.md):
+
+    - ``adaflash.io/loaded-drafter-version``: the version served now;
+    - ``adaflash.io/drafter-load-error``: ``"<version>: <reason>"`` after a failed load, removed
+      after a successful one (and when the desired version moves off the failed one);
+    - ``adaflash.io/acceptance-tau`` and ``adaflash.io/traffic-records``: set through
+      :meth:`update` by the periodic publisher (:mod:`sglang_adaflash.serving.pod_status`).
+
+    Only keys whose value changed since the last successful patch are sent (a JSON merge patch;
+    ``None`` removes a key), so repeated reports cost nothing. A failed patch is logged and kept
+    pending; the next :meth:`flush` (the publisher calls it periodically) retries it. Needs the
+    pod's name (``ADAFLASH_POD_NAME``, downward API ``metadata.name``), its namespace
+    (``ADAFLASH_POD_NAMESPACE`` or the service account's namespace file) and RBAC ``patch`` on
+    pods.
     """
 
     SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -565,26 +620,34 @@ class PodAnnotationReporter:
         pod: str,
         namespace: str,
         *,
-        api_url: str,
-        token: str | None,
-        ca_file: str | None,
+        api_url: str = "",
+        token: str | None = None,
+        ca_file: str | None = None,
         timeout_s: float = 5.0,
+        transport: PatchTransport | None = None,
     ):
         self.pod, self.namespace = pod, namespace
         self.api_url = api_url.rstrip("/")
         self.token, self.ca_file, self.timeout_s = token, ca_file, timeout_s
-        self._last: str | None = None
+        self.transport: PatchTransport = transport or self._http_patch
+        self._lock = threading.Lock()
+        self._want: dict[str, str | None] = {}
+        self._sent: dict[str, str | None] = {}
+        self.failures = 0  # consecutive failed patches
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PodAnnotationReporter | None:
         """The reporter for the pod this process runs in, or None outside Kubernetes."""
         env = os.environ if env is None else env
-        host, pod = env.get("KUBERNETES_SERVICE_HOST"), env.get("POD_NAME")
+        host = env.get("KUBERNETES_SERVICE_HOST")
+        pod, namespace = pod_identity(env)
         if not host or not pod:
             return None
-        namespace = env.get("POD_NAMESPACE") or _read_text(cls.SA_DIR / "namespace")
-        if not namespace:
-            logger.warning("POD_NAME is set but the namespace is unknown; set POD_NAMESPACE")
+        namespace = namespace or _read_text(cls.SA_DIR / "namespace")
+        if not namespace or not namespace.strip():
+            logger.warning(
+                "%s is set but the namespace is unknown; set %s", ENV_POD_NAME, ENV_POD_NAMESPACE
+            )
             return None
         token = _read_text(cls.SA_DIR / "token")
         ca = cls.SA_DIR / "ca.crt"
@@ -597,17 +660,70 @@ class PodAnnotationReporter:
             ca_file=str(ca) if ca.exists() else None,
         )
 
-    def patch_body(self, version: str) -> dict[str, Any]:
-        return {"metadata": {"annotations": {LOADED_ANNOTATION: version}}}
+    @staticmethod
+    def status_annotations(status: Mapping[str, Any]) -> dict[str, str | None]:
+        """The annotations a reload status implies (loaded version and load error)."""
+        out: dict[str, str | None] = {}
+        if status.get("loaded_version"):
+            out[LOADED_ANNOTATION] = str(status["loaded_version"])
+        error = status.get("last_error")
+        out[LOAD_ERROR_ANNOTATION] = (
+            load_error_value(status.get("last_error_version"), error) if error else None
+        )
+        return out
+
+    def patch_body(self, annotations: Mapping[str, str | None]) -> dict[str, Any]:
+        return {"metadata": {"annotations": dict(annotations)}}
 
     def report(self, status: dict[str, Any]) -> None:
-        version = status.get("loaded_version")
-        if not version or version == self._last:
-            return
+        """Reporter protocol: called by :class:`HotReloader` whenever its status changes."""
+        self.update(self.status_annotations(status))
+
+    def update(self, annotations: Mapping[str, str | None]) -> bool:
+        """Record the wanted values and patch what changed; False when the patch failed."""
+        with self._lock:
+            self._want.update(annotations)
+        return self.flush()
+
+    def pending(self) -> dict[str, str | None]:
+        with self._lock:
+            return {
+                k: v for k, v in self._want.items() if k not in self._sent or self._sent[k] != v
+            }
+
+    def flush(self) -> bool:
+        """Send the pending changes (if any). Never raises: a failure is logged and retried."""
+        with self._lock:  # one patch at a time, so patches reach the API in order
+            diff = {
+                k: v for k, v in self._want.items() if k not in self._sent or self._sent[k] != v
+            }
+            if not diff:
+                return True
+            try:
+                self.transport(self.patch_body(diff))
+            except Exception as e:
+                self.failures += 1
+                log = logger.warning if self.failures in (1, 10) or self.failures % 100 == 0 else (
+                    logger.debug
+                )
+                log(
+                    "adaflash: patching pod %s/%s annotations failed (%s, %d in a row); "
+                    "will retry",
+                    self.namespace,
+                    self.pod,
+                    e,
+                    self.failures,
+                )
+                return False
+            self.failures = 0
+            self._sent.update(diff)
+            return True
+
+    def _http_patch(self, body: dict[str, Any]) -> None:
         url = f"{self.api_url}/api/v1/namespaces/{self.namespace}/pods/{self.pod}"
         req = urllib.request.Request(
             url,
-            data=json.dumps(self.patch_body(version)).encode(),
+            data=json.dumps(body).encode(),
             method="PATCH",
             headers={"Content-Type": "application/merge-patch+json"},
         )
@@ -619,7 +735,6 @@ class PodAnnotationReporter:
         with urllib.request.urlopen(req, timeout=self.timeout_s, context=context) as resp:
             if resp.status >= 300:
                 raise ReloadError(f"patching pod {self.pod} returned HTTP {resp.status}")
-        self._last = version
 
 
 def reporters_from_env(env: Mapping[str, str] | None = None) -> list[Reporter]:
@@ -694,6 +809,9 @@ class HotReloader:
         self._lock = threading.Lock()
         self._staged: StagedDrafter | None = None
         self._rejected: dict[str, tuple] = {}  # version -> dir signature when it was rejected
+        self._rejected_why: dict[str, str] = {}  # version -> the error it was rejected with
+        self._report_queue: deque[Callable[[], None]] = deque()
+        self._report_thread: threading.Thread | None = None
         self._steps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -711,6 +829,11 @@ class HotReloader:
             return self._staged
         version, origin = found
         self.status.desired_version, self.status.desired_from = version, origin
+        if self.status.last_error and self.status.last_error_version not in (None, version):
+            # The desired version moved off the one that failed (a rollback, a newer version):
+            # the error no longer describes what this pod is asked to serve.
+            self.status.last_error = self.status.last_error_version = None
+            self._report()
         with self._lock:
             staged = self._staged
         if version == self.status.loaded_version:
@@ -723,7 +846,13 @@ class HotReloader:
             return staged
         path = drafters_dir(self.source.home) / version
         if self._rejected.get(version) == dir_signature(path):
-            return staged  # same bytes as when it was rejected: do not retry until they change
+            # Same bytes as when it was rejected: do not retry until they change, but say so
+            # again if the error was cleared meanwhile (the version was asked for once more).
+            why = self._rejected_why.get(version)
+            if why and self.status.last_error_version != version:
+                self.status.last_error, self.status.last_error_version = why, version
+                self._report()
+            return staged
         try:
             new = stage_drafter(
                 path,
@@ -818,6 +947,7 @@ class HotReloader:
 
     def _fail(self, result: str, version: str, error: str) -> None:
         self.status.last_error, self.status.last_error_version = error, version
+        self._rejected_why[version] = error
         self._count(result)
         logger.error(
             "drafter reload to %s %s: %s; still serving %s",
@@ -839,8 +969,24 @@ class HotReloader:
                     logger.warning("adaflash: reporting to %r failed: %s", reporter, e)
 
         if self.report_async and self.reporters:
-            threading.Thread(target=run, name="adaflash-report", daemon=True).start()
+            # One reporting thread, fed in order, so an older status never lands after a newer.
+            with self._lock:
+                self._report_queue.append(run)
+                if self._report_thread is None or not self._report_thread.is_alive():
+                    self._report_thread = threading.Thread(
+                        target=self._drain_reports, name="adaflash-report", daemon=True
+                    )
+                    self._report_thread.start()
         else:
+            run()
+
+    def _drain_reports(self) -> None:
+        while True:
+            with self._lock:
+                if not self._report_queue:
+                    self._report_thread = None
+                    return
+                run = self._report_queue.popleft()
             run()
 
 

@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ada_env = dict(
         base_env,
         ADAFLASH_HOME=str(home),
-        ADAFLASH_DESIRED_VERSION_FILE=str(desired_file),
+        ADAFLASH_FLEET_VERSION_FILE=str(desired_file),
         ADAFLASH_RELOAD_POLL_S="1",
         ADAFLASH_LOADED_VERSION_FILE=str(work / "status.json"),
         ADAFLASH_ADMIN_OVERRIDE_FILE=str(work / "override"),

@@ -46,9 +46,18 @@ ENV_VARS: dict[str, str] = {
     "(default 16.0)",
     "ADAFLASH_METRICS": "1 (default) to export the adaflash_* Prometheus metrics, 0 to disable",
     "ADAFLASH_HOME": "shared volume with drafters/<version>/ and drafters/latest",
-    "ADAFLASH_DESIRED_VERSION_FILE": "plain file naming the desired drafter version (ConfigMap key)",
-    "ADAFLASH_POD_ANNOTATIONS_FILE": "downward-API annotations file; key "
-    "adaflash.io/desired-drafter-version (canary)",
+    "ADAFLASH_FLEET_VERSION_FILE": "plain file naming the fleet's drafter version (the operator "
+    "mounts ConfigMap key drafter-version at /etc/adaflash/fleet/drafter-version)",
+    "ADAFLASH_DESIRED_VERSION_FILE": "older name of ADAFLASH_FLEET_VERSION_FILE, read when that "
+    "is unset",
+    "ADAFLASH_POD_ANNOTATIONS_FILE": "downward-API annotations file (the operator mounts "
+    "/etc/adaflash/pod/annotations); key adaflash.io/desired-drafter-version (canary)",
+    "ADAFLASH_POD_NAME": "this pod's name (downward API metadata.name; falls back to POD_NAME): "
+    "the pod whose adaflash.io/ annotations are kept up to date",
+    "ADAFLASH_POD_NAMESPACE": "this pod's namespace (downward API; falls back to POD_NAMESPACE, "
+    "then the service account's namespace)",
+    "ADAFLASH_POD_REPORT_S": "seconds between updates of the acceptance-tau and traffic-records "
+    "pod annotations (default 15)",
     "ADAFLASH_ADMIN_OVERRIDE_FILE": "file written by POST /adaflash/v1/drafter (highest priority)",
     "ADAFLASH_ADMIN_TOKEN": "when set, POST /adaflash/v1/drafter needs 'Authorization: Bearer <token>'",
     "ADAFLASH_FOLLOW_LATEST": "1 to follow drafters/latest when nothing else names a version",

@@ -20,7 +20,9 @@ step only:
 Between steps (before any forward) the hot reloader may swap drafter weights in place; the
 verify lengths of each step are also returned as ``cap_lens``, which feeds SGLang's own
 ``spec_cap_length`` metrics, and matched with SGLang's host-side accept counts for the
-``adaflash_*`` metrics.
+``adaflash_*`` metrics. In Kubernetes, TP rank 0 also keeps its pod's ``adaflash.io/``
+annotations current (loaded version, load error, live acceptance tau, traffic record count; see
+``sglang_adaflash.serving.pod_status``).
 
 None of this can run without CUDA; the pure parts are tested on CPU (``length_budget``,
 ``runtime``, ``serving``) and the whole worker by ``python -m sglang_adaflash.sglang_plugin.e2e``.
@@ -40,7 +42,18 @@ from sglang.srt.speculative.spec_utils import draft_tp_context
 
 from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.serving import reload as rl
-from sglang_adaflash.serving.metrics import FanoutSink, LoggingSink, MetricsSink
+from sglang_adaflash.serving.metrics import (
+    AcceptanceWindow,
+    FanoutSink,
+    LoggingSink,
+    MetricsSink,
+)
+from sglang_adaflash.serving.pod_status import (
+    DEFAULT_REPORT_S,
+    PodStatsPublisher,
+    RequestLogCounter,
+    request_log_dirs,
+)
 
 from . import length_budget as lb
 from .options import VERIFY_CAP, VERIFY_COMPACT, VERIFY_FIXED, AdaFlashOptions
@@ -216,6 +229,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             else rl.SingleRank()
         )
         reporters = rl.reporters_from_env() if self._ada_tp_rank == 0 else []
+        self._ada_pod_stats = self._build_pod_stats(reporters, sink)
         reloader = rl.HotReloader(
             source=rl.DesiredVersionSource.from_env(),
             target=rl.CompositeTarget(parts),
@@ -230,7 +244,33 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             target_dir=_local_config_dir(self.server_args.model_path),
         )
         reloader.start()
+        if self._ada_pod_stats is not None:
+            self._ada_pod_stats.start()
         return reloader
+
+    def _build_pod_stats(self, reporters, sink) -> PodStatsPublisher | None:
+        """In Kubernetes (rank 0 only): live tau and the traffic count as pod annotations."""
+        pod = next((r for r in reporters if isinstance(r, rl.PodAnnotationReporter)), None)
+        if pod is None:
+            return None
+        window = AcceptanceWindow()
+        if isinstance(sink, FanoutSink):
+            sink.sinks.append(window)
+        else:  # a sink built elsewhere: tau from this window is not fed, so do not report it
+            window = None
+        dirs = request_log_dirs(self.server_args)
+        if not dirs:
+            logger.warning(
+                "ADAFLASH: SGLang logs no requests to a directory (--log-requests "
+                "--log-requests-target <dir>), so this pod reports %s=0",
+                rl.TRAFFIC_RECORDS_ANNOTATION,
+            )
+        return PodStatsPublisher(
+            pod,
+            window=window,
+            traffic=RequestLogCounter(dirs) if dirs else None,
+            interval_s=float(os.environ.get(rl.ENV_POD_REPORT_S) or DEFAULT_REPORT_S),
+        )
 
     def _refresh_derived_draft_state(self) -> None:
         helper = self.__dict__.get("_fused_kv_helper")  # no __getattr__ forwarding

@@ -146,7 +146,7 @@ def test_desired_version_priority(tmp_path):
     src.follow_latest = True
     assert src.read() == ("v000002", "drafters/latest (latest)")
     fleet.write_text("v000001\n")
-    assert src.read() == ("v000001", "version file")
+    assert src.read() == ("v000001", "fleet version file")
     ann.write_text('adaflash.io/desired-drafter-version="v000005"\n')
     assert src.read() == ("v000005", "pod annotation")
     override.write_text("latest")
@@ -158,7 +158,7 @@ def test_desired_version_priority(tmp_path):
 def test_desired_version_from_env(tmp_path):
     env = {
         "ADAFLASH_HOME": str(tmp_path),
-        "ADAFLASH_DESIRED_VERSION_FILE": str(tmp_path / "f"),
+        "ADAFLASH_FLEET_VERSION_FILE": str(tmp_path / "f"),
         "ADAFLASH_POD_ANNOTATIONS_FILE": str(tmp_path / "a"),
         "ADAFLASH_FOLLOW_LATEST": "true",
     }
@@ -465,16 +465,26 @@ def test_pod_annotation_reporter_patches_the_pod():
             ca_file=None,
         )
         rep.report({"loaded_version": "v000003"})
-        rep.report({"loaded_version": "v000003", "last_error": "x"})  # unchanged: no call
-        rep.report({"loaded_version": None})
+        rep.report({"loaded_version": "v000003"})  # unchanged: no call
+        rep.report({"loaded_version": "v000003", "last_error": "x", "last_error_version": "v4"})
     finally:
         server.shutdown()
-    assert len(_Recorder.seen) == 1
+    assert len(_Recorder.seen) == 2
     path, headers, body = _Recorder.seen[0]
     assert path == "/api/v1/namespaces/ns1/pods/serve-0"
     assert headers["Content-Type"] == "application/merge-patch+json"
     assert headers["Authorization"] == "Bearer tok"
-    assert body == {"metadata": {"annotations": {"adaflash.io/loaded-drafter-version": "v000003"}}}
+    assert body == {
+        "metadata": {
+            "annotations": {
+                "adaflash.io/loaded-drafter-version": "v000003",
+                "adaflash.io/drafter-load-error": None,  # clears one left by an earlier container
+            }
+        }
+    }
+    assert _Recorder.seen[1][2] == {
+        "metadata": {"annotations": {"adaflash.io/drafter-load-error": "v4: x"}}
+    }
 
 
 def test_reporters_from_env(tmp_path):

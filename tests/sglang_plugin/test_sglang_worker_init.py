@@ -99,7 +99,7 @@ def test_reloader_swaps_draft_and_head_in_place(model_pair, tmp_path, monkeypatc
     desired = tmp_path / "desired"
     desired.write_text(v1)
     monkeypatch.setenv("ADAFLASH_HOME", str(home))
-    monkeypatch.setenv("ADAFLASH_DESIRED_VERSION_FILE", str(desired))
+    monkeypatch.setenv("ADAFLASH_FLEET_VERSION_FILE", str(desired))
     monkeypatch.setenv("ADAFLASH_LOADED_VERSION_FILE", str(tmp_path / "status.json"))
     monkeypatch.setenv("ADAFLASH_RELOAD_POLL_S", "3600")  # the test polls by hand
     w = bare_worker(home / "drafters" / v1)
@@ -123,3 +123,31 @@ def test_reloader_swaps_draft_and_head_in_place(model_pair, tmp_path, monkeypatc
         )
     finally:
         reloader.stop()
+
+
+def test_pod_stats_feed_tau_from_the_sink_and_count_the_request_log(model_pair, tmp_path):
+    from sglang_adaflash.serving.metrics import AcceptanceWindow, SpecStepStats
+    from sglang_adaflash.serving.reload import PodAnnotationReporter
+
+    w = bare_worker(model_pair["head"])
+    sink = w._build_sink()
+    assert w._build_pod_stats([], sink) is None  # outside Kubernetes: nothing to publish
+    bodies = []
+    pod = PodAnnotationReporter("serve-0", "ml", transport=bodies.append)
+    logdir = tmp_path / "traffic" / "serve-0"
+    logdir.mkdir(parents=True)
+    (logdir / "serve-0_0.log").write_text(
+        '[t] {"timestamp": "t", "event": "request.finished", "rid": "a"}\n'
+    )
+    w.server_args = SimpleNamespace(
+        model_path=None, log_requests=True, log_requests_target=[str(logdir)]
+    )
+    pub = w._build_pod_stats([pod], sink)
+    assert isinstance(sink.sinks[-1], AcceptanceWindow) and pub.window is sink.sinks[-1]
+    pub.window.min_drafts = 1
+    sink.observe_step(SpecStepStats(8, [8, 8], [2, 4]))
+    pub.tick()
+    assert bodies[-1]["metadata"]["annotations"] == {
+        "adaflash.io/acceptance-tau": "4.000",
+        "adaflash.io/traffic-records": "1",
+    }

@@ -74,7 +74,8 @@ class SpecEngine:
         proposer=None,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
-        propose(last, ctx_lens, histories) -> (block states, logits), extend_context and move."""
+        propose(last, ctx_lens, histories) -> block states [bs, B, H],
+        proposal_logits(states, rows, slots) -> [n, V], extend_context and move."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -232,8 +233,10 @@ class SpecEngine:
         last = torch.tensor([s.last_token for s in seqs], device=self.device)
         ctx_lens = torch.tensor([s.cache_len for s in seqs], device=self.device)
         t0 = time.perf_counter()
-        draft_ids, draft_probs, ratio = self._draft(seqs, last, ctx_lens)
+        hidden = self._draft_states(seqs, last, ctx_lens)  # [bs, B, H] block states, None for ar
+        ratio = self.drafter.length_head(hidden) if self.mode == "adaflash" else None
         lengths = self._verify_lengths(seqs, ratio)  # [bs] long, each in [1, B]
+        draft_ids, draft_probs = self._proposals(seqs, hidden, lengths)
         t1 = time.perf_counter()
         tokens = [[s.last_token] + draft_ids[i, : lengths[i] - 1].tolist() for i, s in enumerate(seqs)]
         batch = TargetBatch.from_lists(tokens, ctx_lens.tolist(), self.device)
@@ -251,24 +254,40 @@ class SpecEngine:
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += time.perf_counter() - t1
 
-    def _draft(self, seqs, last, ctx_lens):
-        """Proposals [bs, B-1] (greedy or sampled per request), their q for sampled rows, ratio."""
+    def _draft_states(self, seqs, last, ctx_lens):
         if self.proposer is None:
-            return last.new_zeros(len(seqs), 0), None, None
+            return None
         histories = [s.req.prompt_ids + s.output for s in seqs]
-        hidden, logits = self.proposer.propose(last, ctx_lens, histories)
-        draft_ids = logits.argmax(-1)
-        draft_probs = None
+        return self.proposer.propose(last, ctx_lens, histories)
+
+    def _proposals(self, seqs, hidden, lengths):
+        """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.
+
+        The LM head runs only on the slots each request will verify: the verify lengths are
+        chosen from the block states alone, so proposals nobody checks are never computed.
+        """
+        bs, k = len(seqs), int(lengths.max()) - 1
+        draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
+        if k <= 0:
+            return draft_ids, None
+        needed = torch.arange(k)[None] < (lengths - 1)[:, None]  # [bs, K] on the host
+        rows, slots = needed.nonzero(as_tuple=True)
+        rows_d, slots_d = rows.to(self.device), slots.to(self.device)
+        logits = self.proposer.proposal_logits(hidden, rows_d, slots_d + 1)  # [n, V]
+        draft_ids[rows_d, slots_d] = logits.argmax(-1)
         hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
-        if hot:
-            k = logits.shape[1]
-            q = filtered_probs(logits[hot].flatten(0, 1), *self._sampling_tensors([seqs[i] for i in hot], k))
-            draft_ids[hot] = self._sample(q).view(len(hot), k)
-            draft_probs = q.view(len(hot), k, -1)
-        ratio = None
-        if self.mode == "adaflash":
-            ratio = self.drafter.length_head(hidden)
-        return draft_ids, draft_probs, ratio
+        if not hot:
+            return draft_ids, None
+        hot_index = torch.full((bs,), -1, dtype=torch.long)
+        hot_index[hot] = torch.arange(len(hot))
+        sel = hot_index[rows] >= 0
+        temp, top_k, top_p = self._sampling_tensors(seqs)
+        rs = rows_d[sel.to(self.device)]
+        q = filtered_probs(logits[sel.to(self.device)], temp[rs], top_k[rs], top_p[rs])
+        draft_ids[rs, slots_d[sel.to(self.device)]] = self._sample(q)
+        draft_probs = q.new_zeros(len(hot), k, q.shape[-1])
+        draft_probs[hot_index[rows[sel]].to(self.device), slots_d[sel.to(self.device)]] = q
+        return draft_ids, draft_probs
 
     def _verify_lengths(self, seqs, ratio) -> torch.Tensor:
         cap = torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long)
@@ -377,9 +396,17 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         times.append(best)
     per_token = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 1e-9)
     fixed = max(times[0] - per_token * sizes[0], 0.0)
-    if isinstance(engine.proposer, DFlashProposer):  # drafting costs the same whatever the lengths
+    if isinstance(engine.proposer, DFlashProposer):
+        # drafting the block costs the same whatever the lengths; its LM head runs per proposal
         zero = torch.zeros(1, dtype=torch.long, device=engine.device)
         t0 = time.perf_counter()
-        engine.proposer.propose(zero, zero, None)
+        hidden = engine.proposer.propose(zero, zero, None)
         fixed += time.perf_counter() - t0
+        head_times = []
+        for n in (4, 64):
+            rows = torch.zeros(n, dtype=torch.long, device=engine.device)
+            t0 = time.perf_counter()
+            engine.proposer.proposal_logits(hidden, rows, rows + 1)
+            head_times.append(time.perf_counter() - t0)
+        per_token += max((head_times[1] - head_times[0]) / 60, 0.0)
     return StepCostModel(fixed=fixed, per_token=per_token)

@@ -46,12 +46,13 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(
         self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One drafter forward for slots 0..bs-1.
 
         last_tokens [bs]; ctx_lens [bs] committed context per request; histories (the committed
         token lists) are unused here but let text-based proposers share the interface.
-        Returns block states [bs, B, H] (final normed) and proposal logits [bs, B-1, V].
+        Returns the block states [bs, B, H] (final normed); proposal_logits turns the slots that
+        will be verified into logits.
         """
         bs, b = last_tokens.shape[0], self.block_size
         block_ids = torch.full((bs, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
@@ -63,5 +64,9 @@ class DFlashProposer:
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(bs, b)], dim=1)  # [bs, C+B]
         mask = mask[:, None, None, :].expand(bs, 1, b, c + b)
         ctx_kv = [self.cache.view(layer, bs, c) for layer in range(len(self.drafter.layers))]
-        hidden = self.drafter(embeds, positions, ctx_kv, mask)
-        return hidden, self.drafter.logits(hidden[:, 1:])
+        return self.drafter(embeds, positions, ctx_kv, mask)
+
+    @torch.inference_mode()
+    def proposal_logits(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of block slot slots[j] of request rows[j] (slot k proposes token k)."""
+        return self.drafter.logits(hidden[rows, slots])

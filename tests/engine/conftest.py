@@ -82,11 +82,12 @@ class OracleProposer:
             wrong = torch.rand(b - 1, generator=self.gen) < self.error_rate
             noise = torch.randint(0, vocab, (b - 1,), generator=self.gen)
             rows.append(torch.where(wrong, noise, out))
-        props = torch.stack(rows)
-        logits = torch.full((len(histories), b - 1, vocab), -10.0, dtype=torch.float64)
-        logits.scatter_(2, props[..., None], 10.0)
-        hidden = torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
-        return hidden, logits
+        self._props = torch.stack(rows)  # [bs, B-1]
+        return torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
+
+    def proposal_logits(self, hidden, rows, slots):
+        logits = torch.full((rows.numel(), self.target.vocab_size), -10.0, dtype=torch.float64)
+        return logits.scatter_(1, self._props[rows, slots - 1][:, None], 10.0)
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,13 @@ def build_workload(specs: list[PromptSpec], pair: LoadedPair, cfg: BenchConfig, 
         if not ids or not all(0 <= t < vocab for t in ids):
             skipped.append(f"{spec.where or spec.id}: prompt is empty or holds ids outside the vocabulary [0, {vocab})")
             continue
+        limit = getattr(pair.target.config, "max_position_embeddings", None)
+        if limit and len(ids) + cfg.max_new_tokens > limit:
+            skipped.append(
+                f"{spec.where or spec.id}: prompt of {len(ids)} tokens plus {cfg.max_new_tokens} new tokens "
+                f"exceeds the target's {limit} positions"
+            )
+            continue
         prompts.append(ids)
         domains.append(spec.domain)
     if not prompts:

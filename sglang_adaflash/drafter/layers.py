@@ -47,11 +47,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
     """Masked multi-head attention with grouped KV heads.
 
-    q [N, nh, Q, hd], k/v [N, kvh, S, hd], mask [N, 1, Q, S] bool (True = may attend).
+    q [N, nh, Q, hd], k/v [N, kvh, S, hd], mask [N, 1, Q, S] bool (True = may attend) or None.
     """
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]

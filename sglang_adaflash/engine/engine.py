@@ -19,7 +19,7 @@ from ..drafter.length_head import candidate_lengths
 from ..drafter.model import DFlashDrafter
 from ..target.hf_target import HFTarget, TargetBatch
 from . import flashinfer_sampling
-from .length_policy import StepCostModel, choose_verify_lengths
+from .length_policy import OnlineCostModel, StepCostModel, choose_verify_lengths
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
 from .sampling import RequestError, filtered_probs, sample_from
@@ -105,7 +105,8 @@ class SpecEngine:
             self.proposer = DFlashProposer(drafter, num_slots=max_batch_size, capacity=capacity)
         else:
             target.capture_layer_ids = []
-        self.cost_model = cost_model
+        self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
+        self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.use_flashinfer = flashinfer_sampling.available(self.device)
         self.waiting: deque[_Seq] = deque()
@@ -251,8 +252,11 @@ class SpecEngine:
         self.stats.steps += 1
         self.stats.batch_sizes.append(bs)
         self.stats.verified_tokens += int(batch.q_lens.sum())
+        t2 = time.perf_counter()
         self.stats.draft_seconds += t1 - t0
-        self.stats.verify_seconds += time.perf_counter() - t1
+        self.stats.verify_seconds += t2 - t1
+        if self._online_cost is not None:
+            self._online_cost.observe(int(batch.q_lens.sum()), t2 - t0)
 
     def _draft_states(self, seqs, last, ctx_lens):
         if self.proposer is None:
@@ -299,12 +303,13 @@ class SpecEngine:
         if self.length_rule == "paper":
             lengths = candidate_lengths(ratio.cpu(), self.block_size, cfg.length_head_rate, cfg.length_head_min_len)
             return torch.minimum(lengths, cap)
-        cost = self.cost_model or self._default_cost()
+        cost = self.cost_model or self._learned_cost()
         return choose_verify_lengths(ratio.cpu(), self.block_size, cost, min_len=cfg.length_head_min_len, max_len=cap)
 
-    def _default_cost(self) -> StepCostModel:
-        self.cost_model = profile_step_cost(self)
-        return self.cost_model
+    def _learned_cost(self) -> StepCostModel:
+        if self._online_cost is None:
+            self._online_cost = OnlineCostModel(profile_step_cost(self))
+        return self._online_cost.model
 
     def _accept(self, seqs, draft_ids, draft_probs, target_logits, lengths) -> VerifyResult:
         """Greedy rows by matching, sampled rows by rejection sampling; one result for all."""

@@ -37,6 +37,45 @@ class StepCostModel:
             raise ValueError(f"cost model needs fixed >= 0 and per_token > 0, got {self}")
 
 
+class OnlineCostModel:
+    """The step cost model, refitted from the engine's own step timings as it serves.
+
+    A profile taken once at start-up cannot know the context lengths, batch mix and machine load
+    the engine will meet, and the rule is only as good as its cost model. So every decode step
+    reports (verified tokens, seconds), and an exponentially weighted least-squares line through
+    recent steps replaces the profile, which stays in the fit as a few pseudo-observations.
+    """
+
+    def __init__(self, prior: StepCostModel, *, decay: float = 0.95, prior_weight: float = 4.0):
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        for tokens in (16.0, 256.0):  # two points on the prior line anchor slope and intercept
+            self._add(tokens, prior.fixed + prior.per_token * tokens, prior_weight / 2)
+        self._model = prior
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._w += w
+        self._x += w * x
+        self._y += w * y
+        self._xx += w * x * x
+        self._xy += w * x * y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        for name in ("_w", "_x", "_y", "_xx", "_xy"):
+            setattr(self, name, getattr(self, name) * self.decay)
+        self._add(float(tokens), float(seconds), 1.0)
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var <= 1e-9:
+            return
+        slope = max((self._xy / self._w - mx * my) / var, 1e-9)
+        self._model = StepCostModel(fixed=max(my - slope * mx, 0.0), per_token=slope)
+
+    @property
+    def model(self) -> StepCostModel:
+        return self._model
+
+
 @functools.cache
 def _tau_table(block_size: int, points: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """E[tau](a) = sum_{s<B} a^s on a grid of a in [0, 1): increasing, so it inverts by search."""

@@ -151,19 +151,30 @@ class HFTarget:
         Rows are packed request by request in order. Writes each token's K/V into the cache at its
         position; the caller commits by setting cache lengths afterwards.
         """
-        valid = batch.valid
-        positions = batch.positions
-        uniform = batch.input_ids.numel() == int(batch.q_lens.sum())  # no padding: views suffice
+        q_lens, starts = batch.q_lens.tolist(), batch.starts.tolist()  # one host sync
+        valid, positions = batch.valid, batch.positions
+        uniform = min(q_lens) == max(q_lens)  # no padded query: views suffice
         flat_pos = positions.reshape(-1) if uniform else positions[valid]  # [T]
-        slots = batch.slot_offset + torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
+        slots = batch.slot_offset + torch.arange(len(q_lens), device=valid.device)[:, None].expand_as(valid)
         flat_slots = slots.reshape(-1) if uniform else slots[valid]  # [T]
         x = self.embed_tokens(batch.input_ids.reshape(-1) if uniform else batch.input_ids[valid])  # [T, H]
         cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
-        kv_len = int((batch.starts + batch.q_lens).max())
-        # key position <= query position; padded queries see key 0 only (their output is dropped)
-        key_pos = torch.arange(kv_len, device=x.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
-        ctx = _Step(batch, None if uniform else valid, flat_slots, flat_pos, cache, kv_len, mask, cos[0, :, None], sin[0, :, None])
+        kv_len = max(st + n for st, n in zip(starts, q_lens))
+        ragged, mask = None, None
+        if _prefer_ragged_attention(q_lens, starts):  # no compute on padded queries or keys
+            offsets = [0]
+            for n in q_lens[:-1]:
+                offsets.append(offsets[-1] + n)
+            ragged = [
+                (batch.slot_offset + i, off, n, st + n, _causal_tail_mask(n, st + n, x.device))
+                for i, (off, n, st) in enumerate(zip(offsets, q_lens, starts))
+            ]
+        else:
+            # key position <= query position; padded queries see key 0 at least (output dropped)
+            key_pos = torch.arange(kv_len, device=x.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
+        ctx = _Step(batch, None if uniform else valid, flat_slots, flat_pos, cache, kv_len, mask,
+                    cos[0, :, None], sin[0, :, None], ragged)
         captured = {}
         capture = set(self.capture_layer_ids)
         for i, layer in enumerate(self.backbone.layers):
@@ -191,6 +202,9 @@ class HFTarget:
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         ctx.cache.write_flat(idx, ctx.slots, ctx.positions, k, v)
+        scale = getattr(attn, "scaling", None)
+        if ctx.ragged is not None:
+            return attn.o_proj(self._ragged_attention(idx, q, ctx, scale))
         bs, qmax = ctx.batch.input_ids.shape
         if ctx.valid is None:
             q_pad = q.view(bs, qmax, -1, hd)
@@ -198,10 +212,46 @@ class HFTarget:
             q_pad = q.new_zeros(bs, qmax, q.shape[1], hd)
             q_pad[ctx.valid] = q
         ck, cv = ctx.cache.view(idx, bs, ctx.kv_len, offset=ctx.batch.slot_offset)
-        out = attention(q_pad.transpose(1, 2), ck, cv, ctx.mask, scale=getattr(attn, "scaling", None))
+        out = attention(q_pad.transpose(1, 2), ck, cv, ctx.mask, scale=scale)
         out = out.transpose(1, 2)
         out = out.reshape(t, -1) if ctx.valid is None else out[ctx.valid].reshape(t, -1)  # [T, nh*hd]
         return attn.o_proj(out)
+
+    @staticmethod
+    def _ragged_attention(idx: int, q: torch.Tensor, ctx: _Step, scale) -> torch.Tensor:
+        """One attention call per request over its own cache view: q [T, nh, hd] -> [T, nh*hd]."""
+        k_all, v_all = ctx.cache.k[idx], ctx.cache.v[idx]
+        outs = []
+        for slot, off, n, kv_len, mask in ctx.ragged:
+            qi = q[off : off + n].transpose(0, 1)[None]  # [1, nh, n, hd]
+            ki, vi = k_all[slot : slot + 1, :, :kv_len], v_all[slot : slot + 1, :, :kv_len]
+            outs.append(attention(qi, ki, vi, mask, scale=scale)[0].transpose(0, 1).reshape(n, -1))
+        return torch.cat(outs)
+
+
+def _prefer_ragged_attention(q_lens: list[int], starts: list[int]) -> bool:
+    """Per-request attention calls beat one padded call once padding wastes a quarter of it.
+
+    Single-token rows (plain decoding) always take the padded call: it is cheap and one call.
+    """
+    q_max = max(q_lens)
+    if q_max == 1 or len(q_lens) == 1:
+        return False
+    s_max = max(st + n for st, n in zip(starts, q_lens))
+    useful = sum(n * (st + n) for st, n in zip(starts, q_lens))
+    return useful < 0.75 * len(q_lens) * q_max * s_max
+
+
+def _causal_tail_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """[1, 1, q_len, kv_len]: query j (at position kv_len - q_len + j) sees keys up to itself.
+
+    None for a single query, which sees every key in its view.
+    """
+    if q_len == 1:
+        return None
+    key = torch.arange(kv_len, device=device)[None]
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return (key <= query)[None, None]
 
 
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -219,6 +269,8 @@ class _Step:
     positions: torch.Tensor  # [T]
     cache: SlotKVCache
     kv_len: int
-    mask: torch.Tensor  # [bs, 1, Q, S]
+    mask: torch.Tensor | None  # [bs, 1, Q, S] for the padded path
     cos: torch.Tensor  # [T, 1, hd]
     sin: torch.Tensor
+    # per request (slot, first packed row, q_len, kv_len, mask) when q_lens differ, else None
+    ragged: list | None = None

@@ -436,9 +436,11 @@ def cmd_demo(args) -> int:
     if (target / "config.json").is_file() and (drafter / "config.json").is_file() and workloads:
         print(f"demo: the embedded pair {MODELS_DIR} on {len(workloads)} held-out workload(s)", file=sys.stderr)
         prompts = _sample_workloads(workloads, args.num_prompts or 24, Path(args.out) / "demo-prompts.jsonl")
+        dtype = args.dtype or ("float32" if args.device == "cpu" else None)
         cfg = BenchConfig(target=str(target), drafter=str(drafter), prompts=[str(prompts)],
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
-                          device=args.device, label="embedded pair, held-out workloads")
+                          device=args.device, dtype=dtype, waves=args.waves, repeats=args.repeats,
+                          threads=args.threads, label="embedded pair, held-out workloads")
     else:
         from ..testing import PRESETS, build_tiny_pair, write_tiny_workload
 
@@ -449,6 +451,7 @@ def cmd_demo(args) -> int:
         prompts = write_tiny_workload(root / "workload.jsonl", num_prompts=args.num_prompts or 16, seed=0)
         cfg = BenchConfig(target=str(pair.target_dir), drafter=str(pair.drafter_dir), prompts=[str(prompts)],
                           concurrency=args.concurrency, modes=args.modes, max_new_tokens=args.max_new_tokens,
-                          num_prompts=args.num_prompts, device=args.device, ignore_eos=True,
+                          num_prompts=args.num_prompts, device=args.device, ignore_eos=True, dtype=args.dtype,
+                          waves=args.waves, repeats=args.repeats, threads=args.threads,
                           label="tiny random pair (no speculative speedup expected)")
     return bench_and_write(cfg, args.out, progress=not args.quiet)

@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prompts", type=_positive_int, default=None)
     d.add_argument("--cache-dir", default=".cache", metavar="DIR", help="where a tiny pair is built when the embedded one is missing")
     d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
+                   help="default: float32 on CPU (faster there than the shipped bf16), else the target's")
+    d.add_argument("--waves", type=_positive_int, default=1, help="submit at least WAVES x concurrency requests")
+    d.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved")
+    d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true")
     return parser
 

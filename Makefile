@@ -25,6 +25,13 @@ test: venv tools
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
+# Rebuild the embedded model pair from scratch (data -> tokenizer -> target -> drafter), then
+# copy it into sglang_adaflash/assets/ (about 40 minutes on 2 cores; see docs/models.md).
+models: venv
+	command -v bible >/dev/null || (apt-get update -qq && apt-get install -y -qq bible-kjv)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m training_job.models build --out runs/models
+	$(PY) -m training_job.models ship --from runs/models
+
 lint: venv
 	$(PY) -m ruff check .
 

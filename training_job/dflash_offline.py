@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_adaflash.assets import chat_format as cf
+from sglang_adaflash.fsio import atomic_path
 
 from .data.common import atomic_write_text, read_jsonl
 
@@ -289,12 +290,8 @@ def _lr(step: int, base: float, floor: float, warmup: int, total: int) -> float:
 
 
 def _save(path: Path, state: dict) -> None:
-    tmp = Path(path).with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, work_dir: Path,

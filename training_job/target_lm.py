@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from sglang_adaflash.assets import chat_format as cf
+from sglang_adaflash.fsio import atomic_path
 
 from .data.common import atomic_write_text
 
@@ -192,17 +193,13 @@ def lr_at(step: int, cfg: TargetConfig) -> float:
 def save_checkpoint(path: Path, model, opt, step: int, cfg: TargetConfig, best: float) -> None:
     """Atomic: write to a temporary file, fsync, rename."""
     path = Path(path)
-    tmp = path.with_suffix(".tmp")
     state = {
         "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
         "config": asdict(cfg), "best_eval_loss": best,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_checkpoint(path: Path, model, opt, cfg: TargetConfig) -> tuple[int, float]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from ..fsio import atomic_path
 
 COLORS = {"hf": "tab:gray", "ar": "tab:blue", "dflash": "tab:orange", "adaflash": "tab:green"}
 
@@ -54,16 +54,9 @@ def plot_results(results: dict, path: str | Path) -> Path:
     fig.tight_layout()
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path, suffix=".tmp.png") as tmp:
+            fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
     return path

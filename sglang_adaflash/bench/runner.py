@@ -17,13 +17,11 @@ mode must reproduce ar's tokens exactly: the benchmark checks it and reports any
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
 from ..engine.engine import EngineStats
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
+from ..fsio import write_json_atomic
 from .hf_baseline import run_hf
 from .metrics import aggregate, first_difference
 from .plot import plot_results
@@ -161,21 +160,6 @@ def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
             "params": _num_params(pair.drafter),
         }
     return out
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Temp file next to the target, fsync, rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _warm_up(engine, workload: Workload, stop_ids) -> None:

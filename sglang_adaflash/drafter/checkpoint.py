@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..fsio import fsync_dir
 from .config import ConfigError, DrafterConfig
 from .manifest import MANIFEST_NAME, ManifestError, verify_manifest_files
 
@@ -134,30 +135,6 @@ def read_checkpoint(
     return cfg, state
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Temp file in the same directory, fsync, rename: readers see the old or the new file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_checkpoint(
     path: str | os.PathLike,
     cfg: DrafterConfig,
@@ -187,11 +164,11 @@ def write_checkpoint(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

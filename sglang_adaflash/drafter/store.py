@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, _fsync_dir, write_checkpoint
+from ..fsio import fsync_dir, write_json_atomic, write_text_atomic
+from .checkpoint import CheckpointError, write_checkpoint
 from .config import DrafterConfig
 from .manifest import MANIFEST_NAME, build_manifest
 
@@ -58,14 +59,8 @@ def version_path(home: str | os.PathLike, version: str) -> Path:
 
 
 def _write_latest(home: str | os.PathLike, version: str) -> None:
-    d = drafters_dir(home)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".latest.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(version + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, d / LATEST_NAME)
-    _fsync_dir(d)
+    write_text_atomic(drafters_dir(home) / LATEST_NAME, version + "\n")
+    fsync_dir(drafters_dir(home))
 
 
 def publish_version(
@@ -89,14 +84,12 @@ def publish_version(
         manifest = build_manifest(
             staging / "ckpt", version=version, parent=parent, target=target, training=training, eval=eval
         )
-        from .checkpoint import write_json_atomic
-
-        write_json_atomic(staging / "ckpt" / MANIFEST_NAME, manifest)
+        write_json_atomic(staging / "ckpt" / MANIFEST_NAME, manifest, sort_keys=True)
         os.replace(staging / "ckpt", version_path(home, version))
     finally:
         import shutil
 
         shutil.rmtree(staging, ignore_errors=True)
-    _fsync_dir(drafters_dir(home))
+    fsync_dir(drafters_dir(home))
     _write_latest(home, version)
     return version

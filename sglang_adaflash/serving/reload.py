@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import ssl
-import tempfile
 import threading
 import time
 import urllib.request
@@ -42,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sglang_adaflash.drafter.checkpoint import CheckpointError, read_checkpoint, write_json_atomic
+from sglang_adaflash.drafter.checkpoint import CheckpointError, read_checkpoint
 from sglang_adaflash.drafter.manifest import (
     MANIFEST_NAME,
     ManifestError,
@@ -50,6 +49,7 @@ from sglang_adaflash.drafter.manifest import (
     read_manifest,
 )
 from sglang_adaflash.drafter.store import LATEST_NAME, VERSION_RE, drafters_dir, latest_version
+from sglang_adaflash.fsio import write_json_atomic, write_text_atomic
 
 from .metrics import MetricsSink, NullSink
 
@@ -1022,15 +1022,5 @@ def set_override(
                 f"drafter version {version} is not published under {drafters_dir(home)}; "
                 f"published: {', '.join(sorted(p.name for p in drafters_dir(home).glob('v*'))) or 'none'}"
             )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(version + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, version + "\n")
     return {"override": version}

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..fsio import fsync_dir
 from .metrics import MetricsSink, NullSink
 
 SHARD_SUFFIX = ".jsonl"
@@ -97,14 +98,6 @@ class TrafficRecord:
         return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _shard_seq(path: Path) -> int | None:
     m = _SHARD_RE.match(path.name)
     return int(m.group(1)) if m else None
@@ -128,7 +121,7 @@ def recover_partial(path: Path) -> Path | None:
             os.fsync(f.fileno())
     final = path.with_name(path.name[: -len(".partial")])
     os.replace(path, final)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return final
 
 
@@ -214,7 +207,7 @@ class TrafficWriter:
         self._file.close()
         final = self._path.with_name(self._path.name[: -len(".partial")])
         os.replace(self._path, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._file, self._path = None, None
         return final
 

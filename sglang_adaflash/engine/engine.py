@@ -190,9 +190,8 @@ class SpecEngine:
         first = self._sample_rows(logits, joined)
         if self.proposer is not None and aux is not None:
             self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, offset)
-        for i, (seq, tok) in enumerate(zip(joined, first.tolist())):
+        for seq, tok in zip(joined, first.tolist()):
             seq.cache_len = len(seq.req.prompt_ids)
-            self.cache.lengths[offset + i] = seq.cache_len
             self._append(seq, [tok])
         self.stats.prefill_tokens += int(batch.q_lens.sum())
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -344,7 +343,6 @@ class SpecEngine:
             if ratio is not None:
                 seq.stats.predicted_ratios.append(float(ratio[i]))
             seq.cache_len += len(toks)  # slot 0 .. last accepted now have committed K/V
-            self.cache.lengths[i] = seq.cache_len
             self.stats.committed_tokens += len(toks)
             self._append(seq, toks)
 
@@ -371,9 +369,10 @@ class SpecEngine:
                 i += 1
                 continue
             last = len(self.running) - 1
-            self.cache.move(last, i)
+            moved = self.running[last].cache_len
+            self.cache.move(last, i, moved)
             if self.proposer is not None:
-                self.proposer.move(last, i)
+                self.proposer.move(last, i, moved)
             self.running[i] = self.running[last]
             self.running.pop()
             outs.append(

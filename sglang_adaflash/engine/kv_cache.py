@@ -27,12 +27,8 @@ class SlotKVCache:
         # k[layer], v[layer]: [num_slots, kvh, capacity, hd]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = [0] * num_slots  # committed entries per slot (host side)
         self.capacity = capacity
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.lengths)
+        self.num_slots = num_slots
 
     def write(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0
@@ -58,13 +54,14 @@ class SlotKVCache:
         sl = slice(offset, offset + bs)
         return self.k[layer][sl, :, :length], self.v[layer][sl, :, :length]
 
-    def move(self, src: int, dst: int) -> None:
-        """Relocate a request's entries (used to keep the running batch contiguous)."""
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Relocate a request's first `length` entries (keeps the running batch contiguous).
+
+        The caller owns the lengths (one number per request serves every cache it has), so no
+        cache can hold a stale copy of them.
+        """
         if src == dst:
             return
-        n = self.lengths[src]
         for k, v in zip(self.k, self.v):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-        self.lengths[dst] = n
-        self.lengths[src] = 0
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]

@@ -40,8 +40,8 @@ class DFlashProposer:
         for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
             self.cache.write(layer, positions, k, v, offset=offset)
 
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst)
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.cache.move(src, dst, length)
 
     @torch.inference_mode()
     def propose(

@@ -55,7 +55,7 @@ class OracleProposer:
         self.target_layer_ids = []
         self._greedy: dict[tuple, list[int]] = {}  # history prefix -> long greedy continuation
 
-    def move(self, src, dst):
+    def move(self, src, dst, length):
         pass
 
     def extend_context(self, *a, **k):

@@ -102,3 +102,20 @@ def test_paper_length_rule_is_lossless(target, drafter):
     ar = [o.output_ids for o in _run(target, None, "ar", prompts, max_new, 2)]
     outs = _run(target, drafter, "adaflash", prompts, max_new, 2, length_rule="paper")
     assert [o.output_ids for o in outs] == ar
+
+
+def test_drafter_context_is_independent_of_batching(target, drafter):
+    """A request's drafter states (seen through the length head) are the same alone or batched
+    with joins and slot moves: a request moved into a freed slot keeps its own context."""
+    prompts = _prompts(6, seed=21)
+    max_new = [9, 3, 14, 5, 11, 7]  # early finishers free slots that later requests move into
+
+    def ratios(batch):
+        outs = _run(target, drafter, "adaflash", prompts, max_new, batch)
+        return [o.stats.predicted_ratios for o in outs]
+
+    alone, batched = ratios(1), ratios(3)
+    for a, b in zip(alone, batched):
+        assert len(a) == len(b)  # T=0, same drafter: the same steps
+        n = len(a)
+        assert torch.allclose(torch.tensor(a[:n]), torch.tensor(b[:n]), atol=1e-6)

@@ -255,7 +255,7 @@ class SpecEngine:
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         if self._online_cost is not None:
-            self._online_cost.observe(int(batch.q_lens.sum()), t2 - t0)
+            self._online_cost.observe(bs, int(batch.q_lens.sum()), t2 - t0)
 
     def _draft_states(self, seqs, last, ctx_lens):
         if self.proposer is None:
@@ -302,13 +302,13 @@ class SpecEngine:
         if self.length_rule == "paper":
             lengths = candidate_lengths(ratio.cpu(), self.block_size, cfg.length_head_rate, cfg.length_head_min_len)
             return torch.minimum(lengths, cap)
-        cost = self.cost_model or self._learned_cost()
+        cost = self.cost_model or self._learned_cost(len(seqs))
         return choose_verify_lengths(ratio.cpu(), self.block_size, cost, min_len=cfg.length_head_min_len, max_len=cap)
 
-    def _learned_cost(self) -> StepCostModel:
+    def _learned_cost(self, batch_size: int) -> StepCostModel:
         if self._online_cost is None:
             self._online_cost = OnlineCostModel(profile_step_cost(self))
-        return self._online_cost.model
+        return self._online_cost.model(batch_size)
 
     def _accept(self, seqs, draft_ids, draft_probs, target_logits, lengths) -> VerifyResult:
         """Greedy rows by matching, sampled rows by rejection sampling; one result for all."""

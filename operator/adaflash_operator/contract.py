@@ -12,7 +12,7 @@ SERVICE_PLURAL = "adaflashservices"
 DRAFTER_KIND = "DrafterVersion"
 DRAFTER_PLURAL = "drafterversions"
 
-# The shared volume inside every pod (ADAFLASH_HOME), see DESIGN.md "Shared volume".
+# The shared volume inside every pod (ADAFLASH_HOME), see docs/contracts.md "Shared volume".
 HOME = "/var/lib/adaflash"
 DRAFTERS_DIR = f"{HOME}/drafters"
 # Where the fleet ConfigMap and the downward-API annotations are mounted in serving pods.
@@ -26,7 +26,7 @@ POD_ANNOTATIONS_FILE = f"{CONTROL_DIR}/pod/annotations"
 # Pod annotations. Written by the operator:
 DESIRED_VERSION = "adaflash.io/desired-drafter-version"  # canary pods only; overrides the fleet
 # Written by the serving pod on itself (its ServiceAccount may patch pods):
-LOADED_VERSION = "adaflash.io/loaded-drafter-version"  # what it serves now (DESIGN.md)
+LOADED_VERSION = "adaflash.io/loaded-drafter-version"  # what it serves now (docs/contracts.md)
 LOAD_ERROR = "adaflash.io/drafter-load-error"  # "<version>: <reason>" after a failed load
 ACCEPTANCE_TAU = "adaflash.io/acceptance-tau"  # live mean acceptance length, decimal string
 TRAFFIC_RECORDS = "adaflash.io/traffic-records"  # records this pod logged since it started

@@ -182,7 +182,8 @@ def server_args(spec: ServiceSpec) -> list[str]:
     if spec.served_model_name:
         args += ["--served-model-name", spec.served_model_name]
     if spec.log_traffic:
-        # SGLang's own request log (DESIGN.md "Traffic record"); $(VAR) is expanded by the kubelet.
+        # SGLang's own request log (docs/contracts.md, "Traffic record"); the kubelet expands
+        # $(VAR).
         args += ["--log-requests", "--log-requests-level", "3",
                  "--log-requests-format", "json",
                  "--log-requests-target", f"{c.HOME}/traffic/$({c.ENV_POD_NAME})"]

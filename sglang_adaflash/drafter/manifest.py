@@ -1,8 +1,9 @@
 """`manifest.json`: what a published drafter version is, and the hashes that prove it.
 
-Format `adaflash.drafter/v1` (DESIGN.md): version, parent, created, target {name, config_sha256},
-files {name: sha256}, training {...}, eval {...}. A reader verifies the hashes before it trusts the
-weights, so a torn copy or a tampered file is caught before it is served.
+Format `adaflash.drafter/v1` (docs/contracts.md, "Manifest"): version, parent, created,
+target {name, config_digest, config_sha256}, files {name: sha256}, training {...}, eval {...}.
+A reader verifies the hashes before it trusts the weights, so a torn copy or a tampered file is
+caught before it is served.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Versioned drafters on the shared volume (`$ADAFLASH_HOME/drafters/`).
 
-Layout (DESIGN.md): `drafters/<version>/` is immutable once published (v000001, v000002, ...);
-`drafters/latest` names the newest version and is written last, by rename, so a reader that
-follows `latest` always finds a complete, hashed directory.
+Layout (docs/contracts.md, "Shared volume"): `drafters/<version>/` is immutable once published
+(v000001, v000002, ...); `drafters/latest` names the newest version and is written last, by
+rename, so a reader that follows `latest` always finds a complete, hashed directory.
 """
 
 from __future__ import annotations

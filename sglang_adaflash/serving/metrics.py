@@ -13,8 +13,8 @@ Vocabulary (the same words as the verifier's docstring):
 
 Producers (the SGLang worker, the reference engine) fill one :class:`SpecStepStats` per step and
 hand it to a sink. Sinks never compute anything the producer should have: they aggregate and
-export. :class:`PrometheusSink` exports the DESIGN.md metric names; :class:`LoggingSink` writes a
-periodic one-line summary.
+export. :class:`PrometheusSink` exports the metric names of docs/contracts.md;
+:class:`LoggingSink` writes a periodic one-line summary.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def candidate_length_buckets(max_block_size: int = 16) -> tuple[float, ...]:
 
 
 class PrometheusSink:
-    """Exports :class:`SpecStepStats` as the ADAFLASH metrics of DESIGN.md.
+    """Exports :class:`SpecStepStats` as the ADAFLASH metrics of docs/contracts.md.
 
     Series (``domain`` is ``""`` for requests without a tag):
 

@@ -1,46 +1,110 @@
-"""Traffic records for on-policy distillation, in the shared-volume format of DESIGN.md.
+"""Traffic records for on-policy distillation, as shards on the shared volume.
 
     $ADAFLASH_HOME/traffic/<writer>/<seq>.jsonl           closed shards (immutable)
     $ADAFLASH_HOME/traffic/<writer>/<seq>.jsonl.partial   the shard being written
 
-A writer appends one JSON object per line to its ``.partial`` shard and closes it (flush, fsync,
-rename to ``.jsonl``) when it holds ``max_records`` records or is ``max_age_s`` old, and on
-:meth:`TrafficWriter.close`. Readers (the training job) take closed shards and may also read a
-``.partial`` one, whose last line can be torn. A writer that restarts closes the shards a crash
-left behind, dropping a torn last line, before it writes anything new.
+The layout and the record format are a contract between processes that share only the volume
+(docs/contracts.md). A writer appends one JSON object per line to its ``.partial`` shard and
+closes it (flush, fsync, rename to ``.jsonl``) when it holds ``max_records`` records or is
+``max_age_s`` old, and on :meth:`TrafficWriter.close`. A writer that restarts first closes the
+shards a crash left behind, keeping only their valid records, so numbering and content stay
+monotonic.
 
 Record fields: ``id``, ``ts``, ``model``, ``drafter_version``, ``domain`` (optional tag from the
 request), ``prompt_ids``, ``output_ids``, ``sampling`` (temperature, top_p, top_k),
 ``accept_lens``, ``finish_reason``; ``prompt_text`` / ``output_text`` only when the operator of
 the service opts in (``include_text=True``).
 
-SGLang pods need not use this: SGLang's own request log is read by the training job directly
-(see docs/sglang.md). The embedded runtime writes records through this module.
+Readers skip a line they cannot use (torn, not UTF-8, not JSON, not a record) instead of stopping
+at it: one bad line on a shared volume must not cost every later record of that writer. What was
+skipped, and where, is counted in a :class:`ReadReport` and logged, so loss is visible rather
+than silent.
+
+Who writes these shards: nothing in production yet. SGLang pods log traffic with SGLang's own
+request log instead (docs/sglang.md); an embedded server that writes through
+:class:`TrafficWriter` and a distillation job that reads through :func:`iter_records` are
+planned, and this module fixes the format they will share.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..fsio import fsync_dir
+from ..fsio import fsync_dir, write_bytes_atomic
 from .metrics import MetricsSink, NullSink
+
+logger = logging.getLogger(__name__)
 
 SHARD_SUFFIX = ".jsonl"
 PARTIAL_SUFFIX = ".jsonl.partial"
 _SHARD_RE = re.compile(r"^(\d{8})\.jsonl(\.partial)?$")
 _WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+# Why a line was skipped (the keys of ReadReport.skipped).
+BAD_UTF8 = "bad_utf8"
+BAD_JSON = "bad_json"
+NOT_OBJECT = "not_object"
+BAD_SCHEMA = "bad_schema"
+UNREADABLE = "unreadable"  # a whole shard that could not be opened or read
+
+#: Default cap on the ``file:line: reason`` entries a report keeps; counts are never capped.
+MAX_PROBLEMS = 50
+
+_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k"})
+_OPTIONAL_STR_FIELDS = ("drafter_version", "finish_reason", "domain", "prompt_text", "output_text")
+
 
 class TrafficError(ValueError):
     """A record or writer setting that cannot be written; the message says what to fix."""
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """Why ``record`` is not a usable traffic record, or None when it is.
+
+    The writer refuses and the readers skip by this same rule, so a record that was written is
+    never dropped on read, and a foreign or damaged line never reaches the training job.
+    """
+    rid = record.get("id")
+    if not isinstance(rid, str) or not rid:
+        return "needs a non-empty id string"
+    if not isinstance(record.get("model"), str):
+        return "model must be a string"
+    for name in ("prompt_ids", "output_ids", "accept_lens"):
+        values = record.get(name)
+        if not isinstance(values, list) or not all(_is_count(v) for v in values):
+            return f"{name} must be a list of ints >= 0"
+    accepted, produced = sum(record["accept_lens"]), len(record["output_ids"])
+    if accepted > produced + len(record["accept_lens"]):
+        return f"accept_lens sum to {accepted} but only {produced} output tokens were produced"
+    sampling = record.get("sampling")
+    if not isinstance(sampling, dict):
+        return "sampling must be an object"
+    unknown = set(sampling) - _SAMPLING_KEYS
+    if unknown:
+        return f"sampling has unknown keys {sorted(unknown)}; expected temperature, top_p, top_k"
+    ts = record.get("ts")
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        return "ts must be a number"
+    for name in _OPTIONAL_STR_FIELDS:
+        value = record.get(name)
+        if value is not None and not isinstance(value, str):
+            return f"{name} must be a string or null"
+    return None
 
 
 @dataclass
@@ -59,25 +123,9 @@ class TrafficRecord:
     output_text: str | None = None
 
     def validate(self) -> None:
-        if not self.id:
-            raise TrafficError("traffic record needs a non-empty id")
-        for name in ("prompt_ids", "output_ids", "accept_lens"):
-            values = getattr(self, name)
-            if not isinstance(values, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in values
-            ):
-                raise TrafficError(f"traffic record {self.id}: {name} must be a list of ints")
-        if sum(self.accept_lens) > len(self.output_ids) + len(self.accept_lens):
-            raise TrafficError(
-                f"traffic record {self.id}: accept_lens sum to {sum(self.accept_lens)} but only "
-                f"{len(self.output_ids)} output tokens were produced"
-            )
-        unknown = set(self.sampling) - {"temperature", "top_p", "top_k"}
-        if unknown:
-            raise TrafficError(
-                f"traffic record {self.id}: sampling has unknown keys {sorted(unknown)}; "
-                "expected temperature, top_p, top_k"
-            )
+        problem = record_problem(self.to_json(include_text=True))
+        if problem:
+            raise TrafficError(f"traffic record {self.id!r}: {problem}")
 
     def to_json(self, include_text: bool) -> dict[str, Any]:
         out = {
@@ -98,28 +146,117 @@ class TrafficRecord:
         return out
 
 
+@dataclass
+class ReadReport:
+    """What reading traffic shards kept and skipped, and where.
+
+    Pass one to :func:`iter_records` or :func:`recover_partial` to account for records that
+    did not come through; one report may be shared by several calls, and then its counts are
+    their totals. ``torn`` counts the unterminated last line of a ``.partial`` shard: expected
+    while a writer is mid-line or after it crashed, so it is kept apart from ``skipped``,
+    which counts lines that are damaged or foreign (by reason: :data:`BAD_UTF8`,
+    :data:`BAD_JSON`, :data:`NOT_OBJECT`, :data:`BAD_SCHEMA`, or :data:`UNREADABLE` for a
+    whole shard). ``problems`` holds the first ``max_problems`` as ``file:line: reason: detail``.
+    """
+
+    records: int = 0
+    torn: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    max_problems: int = MAX_PROBLEMS
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def skip(self, where: str, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.problems) < self.max_problems:
+            self.problems.append(f"{where}: {reason}: {detail}")
+
+    def summary(self) -> str:
+        parts = [f"{self.records} records"]
+        if self.skipped:
+            by_reason = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
+            parts.append(f"{self.skipped_total} lines skipped ({by_reason})")
+        if self.torn:
+            parts.append(f"{self.torn} torn last lines of partial shards")
+        text = "; ".join(parts)
+        if self.problems:
+            more = self.skipped_total - len(self.problems)
+            text += "; " + "; ".join(self.problems) + (f"; and {more} more" if more > 0 else "")
+        return text
+
+
 def _shard_seq(path: Path) -> int | None:
     m = _SHARD_RE.match(path.name)
     return int(m.group(1)) if m else None
 
 
-def recover_partial(path: Path) -> Path | None:
-    """Close a ``.partial`` shard left by a crash: drop a torn last line, fsync, rename.
+def _closed_name(path: Path) -> Path:
+    return path.with_name(path.name[: -len(".partial")])
 
-    Returns the closed shard, or None when nothing complete was in it (the file is removed).
+
+def _scan(
+    lines: Iterable[bytes], shard: Path, partial: bool, report: ReadReport
+) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """The valid records of one shard's lines, each with its line as written (newline ended)."""
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        if not raw.endswith(b"\n"):  # only ever the last line
+            if partial:
+                report.torn += 1
+                continue
+            raw += b"\n"  # a closed shard whose last line lacks a newline: still judged whole
+        where = f"{shard}:{lineno}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            report.skip(where, BAD_UTF8, f"byte {raw[e.start]:#04x} at column {e.start + 1}")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            report.skip(where, BAD_JSON, str(e))
+            continue
+        except RecursionError:
+            report.skip(where, BAD_JSON, "nested too deeply")
+            continue
+        if not isinstance(obj, dict):
+            report.skip(where, NOT_OBJECT, f"a JSON {type(obj).__name__}, not an object")
+            continue
+        problem = record_problem(obj)
+        if problem:
+            report.skip(where, BAD_SCHEMA, problem)
+            continue
+        report.records += 1
+        yield raw, obj
+
+
+def recover_partial(path: Path, report: ReadReport | None = None) -> Path | None:
+    """Close a ``.partial`` shard left by a crash, keeping only its valid records.
+
+    A crash can leave more than a torn tail (a disk error, a foreign writer), and a closed shard
+    is trusted by every reader, so everything :func:`iter_records` would skip is dropped here,
+    counted in ``report`` and logged. Returns the closed shard, or None when no valid record was
+    in it (the file is removed).
     """
+    report = report if report is not None else ReadReport()
+    skipped, torn = report.skipped_total, report.torn
     data = path.read_bytes()
-    end = data.rfind(b"\n") + 1  # keep only whole lines
-    good = data[:end]
-    if not good.strip():
+    kept = [raw for raw, _ in _scan(io.BytesIO(data), path, True, report)]
+    dropped = report.skipped_total - skipped
+    if dropped or report.torn - torn:
+        log = logger.warning if dropped else logger.info
+        log("traffic: recovering %s dropped lines: %s", path, report.summary())
+    if not kept:
         path.unlink()
         return None
-    if end != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    final = path.with_name(path.name[: -len(".partial")])
+    good = b"".join(kept)
+    if good != data:
+        write_bytes_atomic(path, good)  # the partial name throughout: never two copies
+    final = _closed_name(path)
     os.replace(path, final)
     fsync_dir(path.parent)
     return final
@@ -158,8 +295,11 @@ class TrafficWriter:
         self._path: Path | None = None
         self._count = 0
         self._opened_at = 0.0
-        self.recovered = [p for p in sorted(self.dir.glob(f"*{PARTIAL_SUFFIX}"))]
-        self.recovered = [recover_partial(p) for p in self.recovered]
+        #: What closing the shards of a crashed predecessor kept and dropped.
+        self.recovery = ReadReport()
+        self.recovered = [
+            recover_partial(p, self.recovery) for p in sorted(self.dir.glob(f"*{PARTIAL_SUFFIX}"))
+        ]
         seqs = [s for s in (_shard_seq(p) for p in self.dir.iterdir()) if s is not None]
         self._next_seq = max(seqs, default=0) + 1
 
@@ -212,26 +352,51 @@ class TrafficWriter:
         return final
 
 
-def iter_records(directory: str | os.PathLike, *, include_partial: bool = False) -> Iterator[dict]:
-    """Records of one writer's shards in order; a torn last line of a partial shard is skipped."""
+def _open_shard(shard: Path, partial: bool) -> tuple[Any, Path, bool]:
+    """Open a listed shard; a ``.partial`` one closed since the listing is read under its new name."""
+    try:
+        return open(shard, "rb"), shard, partial
+    except FileNotFoundError:
+        if not partial:
+            raise
+        closed = _closed_name(shard)
+        return open(closed, "rb"), closed, False
+
+
+def iter_records(
+    directory: str | os.PathLike,
+    *,
+    include_partial: bool = False,
+    report: ReadReport | None = None,
+) -> Iterator[dict]:
+    """Valid records of one writer's shards, in order, past any line that is not one.
+
+    Each skipped line is counted in ``report`` (pass one in to see why records are missing) and
+    a summary is logged when anything was skipped.
+    """
+    report = report if report is not None else ReadReport()
+    skipped = report.skipped_total
     directory = Path(directory)
     shards = sorted(
         (p for p in directory.iterdir() if _shard_seq(p) is not None),
         key=lambda p: (_shard_seq(p), p.name),
     )
-    for shard in shards:
-        partial = shard.name.endswith(".partial")
-        if partial and not include_partial:
-            continue
-        lines = shard.read_text().split("\n")
-        for i, line in enumerate(lines):
-            if not line.strip():
+    try:
+        for shard in shards:
+            partial = shard.name.endswith(".partial")
+            if partial and not include_partial:
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                if partial and i == len(lines) - 1:
-                    return  # still being written
-                raise TrafficError(
-                    f"{shard}:{i + 1} is not valid JSON; the shard is corrupt"
-                ) from None
+                f, shard, partial = _open_shard(shard, partial)
+            except OSError as e:
+                report.skip(str(shard), UNREADABLE, str(e))
+                continue
+            with f:
+                try:
+                    for _, record in _scan(f, shard, partial, report):
+                        yield record
+                except OSError as e:
+                    report.skip(str(shard), UNREADABLE, str(e))
+    finally:
+        if report.skipped_total > skipped:
+            logger.warning("traffic: reading %s skipped lines: %s", directory, report.summary())

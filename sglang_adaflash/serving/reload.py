@@ -120,6 +120,9 @@ def read_latest(home: str | os.PathLike) -> str | None:
     """The version named by ``drafters/latest``, or None (absent or unreadable: logged)."""
     try:
         return latest_version(home)
+    except UnicodeDecodeError as e:  # a version name is ASCII: these bytes are not one
+        logger.warning("ignoring drafters/latest: it is not text (%s)", e)
+        return None
     except (CheckpointError, OSError) as e:
         logger.warning("ignoring drafters/latest: %s", e)
         return None
@@ -160,11 +163,21 @@ def parse_downward_annotations(text: str) -> dict[str, str]:
 
 
 def _read_text(path: Path | None) -> str | None:
+    """A small file's text, or None when it is absent, unreadable or not UTF-8.
+
+    Callers poll these files from the watcher and must keep serving whatever a volume, a
+    ConfigMap or a person put in them, so bad bytes are logged and treated as no value.
+    """
     if path is None:
         return None
     try:
-        return path.read_text()
+        data = path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        logger.warning("ignoring %s: it is not UTF-8 text (%s)", path, e)
         return None
 
 
@@ -1000,10 +1013,10 @@ def read_status(path: str | os.PathLike | None) -> dict[str, Any]:
     if path is None:
         return {"loaded_version": None, "error": f"{ENV_STATUS_FILE} is not set"}
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         return {"loaded_version": None, "error": "the serving process has not reported yet"}
-    except json.JSONDecodeError as e:  # written atomically, so this means a foreign writer
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # written atomically: a foreign writer
         return {"loaded_version": None, "error": f"{path} is not valid JSON: {e}"}
 
 

@@ -26,6 +26,8 @@ from sglang_adaflash.serving.reload import (
     TorchDistGroup,
     apply_in_place,
     parse_downward_annotations,
+    read_latest,
+    read_status,
     reporters_from_env,
     resolve_version_dir,
     stage_drafter,
@@ -153,6 +155,46 @@ def test_desired_version_priority(tmp_path):
     assert src.read() == ("v000002", "admin override (latest)")
     override.write_text("not-a-version")
     assert src.read() == ("v000005", "pod annotation")
+
+
+NOT_UTF8 = b"\xff\xfev000001\n"
+
+
+def test_version_files_that_are_not_text_are_ignored(tmp_path, caplog):
+    _publish(tmp_path, seed=1)
+    fleet, ann, override = tmp_path / "fleet", tmp_path / "annotations", tmp_path / "override"
+    src = DesiredVersionSource(
+        home=tmp_path,
+        version_file=fleet,
+        annotations_file=ann,
+        override_file=override,
+        follow_latest=True,
+    )
+    (tmp_path / "drafters" / "latest").write_bytes(NOT_UTF8)
+    assert read_latest(tmp_path) is None
+    assert src.read() is None
+    assert "drafters/latest: it is not text" in caplog.text
+    fleet.write_text("v000001\n")
+    ann.write_bytes(NOT_UTF8)
+    override.write_bytes(NOT_UTF8)
+    assert src.read() == ("v000001", "fleet version file")  # the sources below still count
+    assert f"ignoring {override}: it is not UTF-8" in caplog.text
+    assert f"ignoring {ann}: it is not UTF-8" in caplog.text
+    fleet.write_bytes(NOT_UTF8)
+    assert src.read() is None
+
+
+def test_watcher_keeps_serving_when_the_version_file_is_not_text(served):
+    served["file"].write_bytes(NOT_UTF8)
+    assert served["reloader"].poll_once() is None
+    assert served["reloader"].status.loaded_version == "v000001"
+    assert served["reloader"].at_step_boundary() is None
+
+
+def test_status_file_that_is_not_text_reads_as_an_error(tmp_path):
+    (tmp_path / "status.json").write_bytes(b'{"loaded_version": "v\xff"}')
+    status = read_status(tmp_path / "status.json")
+    assert status["loaded_version"] is None and "not valid JSON" in status["error"]
 
 
 def test_desired_version_from_env(tmp_path):

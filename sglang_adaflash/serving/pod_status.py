@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from .background import BackgroundLoop
 from .metrics import AcceptanceWindow
 from .reload import ACCEPTANCE_TAU_ANNOTATION, TRAFFIC_RECORDS_ANNOTATION, PodAnnotationReporter
 
@@ -132,8 +132,7 @@ class PodStatsPublisher:
         self.window = window
         self.traffic = traffic
         self.interval_s = max(1.0, float(interval_s))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = BackgroundLoop(self.tick, self.interval_s, name="adaflash-pod-status")
 
     def annotations(self) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
@@ -151,19 +150,8 @@ class PodStatsPublisher:
             return False
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="adaflash-pod-status", daemon=True)
-        self._thread.start()
+        self._loop.interval_s = self.interval_s
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            self.tick()
-            if self._stop.wait(self.interval_s):
-                return
+        self._loop.stop(timeout=10)

@@ -475,6 +475,23 @@ def test_watcher_thread_stages_in_background(served):
     assert reloader.at_step_boundary() == v2
 
 
+def test_watcher_can_be_stopped_and_started_again(served):
+    reloader = served["reloader"]
+    reloader.poll_interval_s = 0.02
+    reloader.start()
+    reloader.stop()
+    v2 = _publish(served["home"], seed=2)
+    served["file"].write_text(v2)
+    reloader.start()
+    try:
+        deadline = time.monotonic() + 5
+        while reloader.status.staged_version != v2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        reloader.stop()
+    assert reloader.status.staged_version == v2
+
+
 def test_single_rank_group_is_identity():
     assert SingleRank().all_min([1, 2]) == [1, 2]
 

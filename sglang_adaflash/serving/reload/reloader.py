@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_adaflash.drafter.store import drafters_dir
 
+from ..background import BackgroundLoop
 from ..metrics import MetricsSink, NullSink
 from .apply import ReloadTarget, apply_in_place
 from .contract import ReloadError, version_number
@@ -89,8 +90,7 @@ class HotReloader:
         self._report_queue: deque[Callable[[], None]] = deque()
         self._report_thread: threading.Thread | None = None
         self._steps = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._watcher = BackgroundLoop(self.poll_once, poll_interval_s, name="adaflash-reload")
         self._expected = target.expected()
         if loaded_version:
             self.sink.set_drafter_version(loaded_version)
@@ -151,24 +151,12 @@ class HotReloader:
         return new
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._watch, name="adaflash-reload", daemon=True)
-        self._thread.start()
+        """Run :meth:`poll_once` every ``poll_interval_s`` on a watcher thread."""
+        self._watcher.interval_s = self.poll_interval_s
+        self._watcher.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception:  # the watcher must survive anything the volume throws at it
-                logger.exception("adaflash reload watcher failed; retrying")
-            self._stop.wait(self.poll_interval_s)
+        self._watcher.stop(timeout=10)
 
     # -- decode-loop side ------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from sglang_adaflash.drafter.config import DrafterConfig, default_target_layer_i
 from sglang_adaflash.drafter.manifest import build_manifest, target_fingerprint
 from sglang_adaflash.drafter.store import latest_version, list_versions, publish_version
 from sglang_adaflash.target.compat import CompatibilityError, check_compatibility
-from tests.engine.conftest import drafter_config, tiny_drafter, tiny_target
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_drafter_config, tiny_target
 
 H, FF, NH, KVH, HD, V = 48, 96, 4, 2, 12, 96
 
@@ -170,14 +170,14 @@ def _target_dir(tmp_path, target):
 )
 def test_compatibility_errors(change, message):
     target = tiny_target()
-    cfg = drafter_config().replace(**change)
+    cfg = tiny_drafter_config().replace(**change)
     with pytest.raises(CompatibilityError, match=message):
         check_compatibility(cfg, target)
 
 
 def test_dtype_and_foreign_target_are_rejected(tmp_path):
     target = tiny_target()  # float64
-    cfg = drafter_config()
+    cfg = tiny_drafter_config()
     with pytest.raises(CompatibilityError, match="pass --dtype"):
         check_compatibility(cfg, target, drafter_dtype=torch.float32)
     check_compatibility(cfg, target, drafter_dtype=torch.float32, allow_dtype_cast=True)

@@ -1,43 +1,17 @@
-"""Tiny random model pairs and an oracle proposer for the engine tests (float64: no ties)."""
+"""An oracle proposer and shared target/drafter fixtures for the engine tests.
+
+The tiny models themselves come from sglang_adaflash.testing.fixtures, so other test folders
+build the very same ones.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from sglang_adaflash.drafter.config import DrafterConfig
 from sglang_adaflash.drafter.model import DFlashDrafter
 from sglang_adaflash.target.hf_target import HFTarget
-
-VOCAB = 96
-MASK_ID = VOCAB - 1
-
-
-def tiny_target(seed=0, vocab=VOCAB, layers=3, dtype=torch.float64, family="qwen3") -> HFTarget:
-    torch.manual_seed(seed)
-    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
-    cfg = config_cls(
-        hidden_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=12, intermediate_size=96, vocab_size=vocab, max_position_embeddings=512,
-    )
-    model = model_cls(cfg).to(dtype).eval()
-    model.generation_config.eos_token_id = None  # Llama's default eos would stop HF generate early
-    return HFTarget(model)
-
-
-def drafter_config(vocab=VOCAB, block_size=8, layers=1, head=True, target_layers=3) -> DrafterConfig:
-    return DrafterConfig.from_dict(dict(
-        hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, vocab_size=vocab, num_target_layers=target_layers,
-        block_size=block_size,
-        dflash_config={"mask_token_id": vocab - 1, "use_thresh_head_two_model": head},
-    ))
-
-
-def tiny_drafter(seed=1, dtype=torch.float64, **kw) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    return DFlashDrafter(drafter_config(**kw)).to(dtype).eval()
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 
 class OracleProposer:

@@ -7,8 +7,9 @@ from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from .conftest import OracleProposer, tiny_drafter, tiny_target
+from .conftest import OracleProposer
 
 
 def _prompts(n, seed=3, lo=2, hi=14, vocab=90):

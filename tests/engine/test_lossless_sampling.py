@@ -10,8 +10,7 @@ from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.engine.sampling import SamplingParams, filtered_probs
-
-from .conftest import tiny_drafter, tiny_target
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 VOCAB = 6
 PROMPT = [1, 4, 2]

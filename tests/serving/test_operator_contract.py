@@ -28,8 +28,11 @@ from sglang_adaflash.serving.pod_status import (  # noqa: E402
     request_log_dirs,
 )
 from sglang_adaflash.sglang_plugin.options import ENV_VARS  # noqa: E402
-
-from .test_serving_reload import _cfg, _publish, _state  # noqa: E402
+from sglang_adaflash.testing.fixtures import (  # noqa: E402
+    drafter_config,
+    publish_random,
+    random_drafter,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Names
@@ -274,14 +277,13 @@ def test_publisher_without_request_log_reports_zero_records():
 
 
 def test_reloader_sets_and_clears_the_load_error(tmp_path):
-    from sglang_adaflash.drafter.model import DFlashDrafter
 
     home = tmp_path / "home"
-    v1 = _publish(home, seed=1)
-    bad = _publish(home, seed=2, cfg=_cfg(num_hidden_layers=2))  # cannot be hot-reloaded
-    cfg = _cfg()
-    live = DFlashDrafter(cfg)
-    live.load_state_dict(_state(cfg, 1))
+    v1 = publish_random(home, seed=1)
+    # two layers where the served drafter has one: cannot be hot-reloaded
+    bad = publish_random(home, seed=2, cfg=drafter_config(num_hidden_layers=2))
+    cfg = drafter_config()
+    live = random_drafter(cfg, 1)
     fleet = tmp_path / "drafter-version"
     fleet.write_text(v1)
     api = FakeAPI()
@@ -309,7 +311,7 @@ def test_reloader_sets_and_clears_the_load_error(tmp_path):
     reloader.poll_once()
     assert api.annotations[c.LOAD_ERROR].startswith(f"{bad}: ")
 
-    good = _publish(home, seed=3)
+    good = publish_random(home, seed=3)
     fleet.write_text(good)
     reloader.poll_once()
     assert reloader.at_step_boundary() == good
@@ -323,8 +325,8 @@ def test_async_reports_reach_the_api_in_order(tmp_path):
     from sglang_adaflash.drafter.model import DFlashDrafter
 
     home = tmp_path / "home"
-    v1 = _publish(home, seed=1)
-    cfg = _cfg()
+    v1 = publish_random(home, seed=1)
+    cfg = drafter_config()
     fleet = tmp_path / "drafter-version"
     fleet.write_text(v1)
     api = FakeAPI()

@@ -6,14 +6,11 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import torch
 
-from sglang_adaflash.drafter.config import DrafterConfig
 from sglang_adaflash.drafter.model import DFlashDrafter
-from sglang_adaflash.drafter.store import publish_version
 from sglang_adaflash.serving.metrics import NullSink
 from sglang_adaflash.serving.reload import (
     DesiredVersionSource,
@@ -33,37 +30,12 @@ from sglang_adaflash.serving.reload import (
     stage_drafter,
     version_number,
 )
-
-RAW = dict(
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    vocab_size=64,
-    num_target_layers=4,
-    block_size=4,
-    dflash_config=dict(
-        mask_token_id=63, use_thresh_head_two_model=True, thresh_head_bottleneck_dim=8
-    ),
+from sglang_adaflash.testing.fixtures import (
+    drafter_config,
+    publish_random,
+    random_drafter,
+    random_state,
 )
-TARGET = {"name": "tiny-target", "config_sha256": "0" * 64}
-
-
-def _cfg(**overrides) -> DrafterConfig:
-    return DrafterConfig.from_dict({**RAW, **overrides})
-
-
-def _state(cfg: DrafterConfig, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    model = DFlashDrafter(cfg)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _publish(home: Path, seed: int, cfg: DrafterConfig | None = None) -> str:
-    cfg = cfg or _cfg()
-    return publish_version(home, cfg, _state(cfg, seed), target=TARGET)
 
 
 class RecordingSink(NullSink):
@@ -82,10 +54,9 @@ class RecordingSink(NullSink):
 def served(tmp_path):
     """A shared volume with v000001 published and a live drafter built from it."""
     home = tmp_path / "home"
-    v1 = _publish(home, seed=1)
-    cfg = _cfg()
-    live = DFlashDrafter(cfg)
-    live.load_state_dict(_state(cfg, 1))
+    v1 = publish_random(home, seed=1)
+    cfg = drafter_config()
+    live = random_drafter(cfg, 1)
     version_file = tmp_path / "desired"
     version_file.write_text(v1 + "\n")
     sink = RecordingSink()
@@ -118,7 +89,7 @@ def test_version_names():
 
 
 def test_resolve_version_dir_follows_latest_and_refuses_escapes(tmp_path):
-    v1 = _publish(tmp_path, seed=1)
+    v1 = publish_random(tmp_path, seed=1)
     assert resolve_version_dir(tmp_path, "latest") == tmp_path / "drafters" / v1
     with pytest.raises(ValueError):
         resolve_version_dir(tmp_path, "../../etc")
@@ -138,8 +109,8 @@ def test_downward_api_annotations_parse():
 
 
 def test_desired_version_priority(tmp_path):
-    _publish(tmp_path, seed=1)
-    _publish(tmp_path, seed=2)  # latest = v000002
+    publish_random(tmp_path, seed=1)
+    publish_random(tmp_path, seed=2)  # latest = v000002
     fleet, ann, override = tmp_path / "fleet", tmp_path / "annotations", tmp_path / "override"
     src = DesiredVersionSource(
         home=tmp_path, version_file=fleet, annotations_file=ann, override_file=override
@@ -161,7 +132,7 @@ NOT_UTF8 = b"\xff\xfev000001\n"
 
 
 def test_version_files_that_are_not_text_are_ignored(tmp_path, caplog):
-    _publish(tmp_path, seed=1)
+    publish_random(tmp_path, seed=1)
     fleet, ann, override = tmp_path / "fleet", tmp_path / "annotations", tmp_path / "override"
     src = DesiredVersionSource(
         home=tmp_path,
@@ -213,7 +184,7 @@ def test_reload_copies_in_place(served):
     live, reloader, sink = served["live"], served["reloader"], served["sink"]
     before = _snapshot(live)
     assert reloader.at_step_boundary() is None  # nothing staged: no work
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     served["file"].write_text(v2)
     staged = reloader.poll_once()
     assert staged is not None and staged.version == v2
@@ -221,7 +192,7 @@ def test_reload_copies_in_place(served):
     assert reloader.at_step_boundary() == v2
     for name, tensor in live.state_dict().items():
         assert tensor.data_ptr() == before[name][0], f"{name} was replaced, not copied into"
-    _assert_weights(live, _state(_cfg(), 2))
+    _assert_weights(live, random_state(drafter_config(), 2))
     assert reloader.status.loaded_version == v2
     assert sink.reloads == ["success"] and sink.versions[-1] == v2
     status = json.loads((served["tmp"] / "status.json").read_text())
@@ -232,7 +203,7 @@ def test_reload_copies_in_place(served):
 def test_tampered_checkpoint_is_rejected_and_old_weights_kept(served):
     live, reloader, sink = served["live"], served["reloader"], served["sink"]
     before = {k: v.clone() for k, v in live.state_dict().items()}
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     weights = served["home"] / "drafters" / v2 / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # flip one bit of the last weight: the manifest hash no longer matches
@@ -250,7 +221,7 @@ def test_tampered_checkpoint_is_rejected_and_old_weights_kept(served):
 
 def test_torn_write_is_retried_once_complete(served):
     live, reloader, sink = served["live"], served["reloader"], served["sink"]
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     weights = served["home"] / "drafters" / v2 / "model.safetensors"
     full = weights.read_bytes()
     weights.write_bytes(full[: len(full) // 2])  # a copy that is still in progress
@@ -261,12 +232,12 @@ def test_torn_write_is_retried_once_complete(served):
     weights.write_bytes(full)  # the copy completes: new size and mtime
     assert reloader.poll_once().version == v2
     assert reloader.at_step_boundary() == v2
-    _assert_weights(live, _state(_cfg(), 2))
+    _assert_weights(live, random_state(drafter_config(), 2))
     assert sink.reloads == ["rejected", "success"]
 
 
 def test_unpublished_directory_needs_a_manifest(served):
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     (served["home"] / "drafters" / v2 / "manifest.json").unlink()
     served["file"].write_text(v2)
     assert served["reloader"].poll_once() is None
@@ -274,7 +245,7 @@ def test_unpublished_directory_needs_a_manifest(served):
 
 
 def test_architecture_change_is_rejected(served):
-    v2 = _publish(served["home"], seed=2, cfg=_cfg(intermediate_size=48))
+    v2 = publish_random(served["home"], seed=2, cfg=drafter_config(intermediate_size=48))
     served["file"].write_text(v2)
     assert served["reloader"].poll_once() is None
     err = served["reloader"].status.last_error
@@ -288,8 +259,8 @@ def test_missing_version_is_rejected(served):
 
 
 def test_stage_checks_names_against_the_live_target(tmp_path):
-    v1 = _publish(tmp_path, seed=1)
-    expected = ModuleTarget(DFlashDrafter(_cfg())).expected()
+    v1 = publish_random(tmp_path, seed=1)
+    expected = ModuleTarget(DFlashDrafter(drafter_config())).expected()
     expected["extra.weight"] = ((2,), torch.float32)
     with pytest.raises(ReloadError, match="lacks 1 weights"):
         stage_drafter(tmp_path / "drafters" / v1, version=v1, expected=expected)
@@ -300,8 +271,8 @@ def test_stage_checks_names_against_the_live_target(tmp_path):
 
 
 def test_stage_casts_to_the_live_dtype(tmp_path):
-    v1 = _publish(tmp_path, seed=1)
-    live = DFlashDrafter(_cfg()).to(torch.bfloat16)
+    v1 = publish_random(tmp_path, seed=1)
+    live = DFlashDrafter(drafter_config()).to(torch.bfloat16)
     staged = stage_drafter(
         tmp_path / "drafters" / v1, version=v1, expected=ModuleTarget(live).expected()
     )
@@ -332,7 +303,7 @@ def test_failed_copy_restores_old_weights(served, target_cls, match):
     live = served["live"]
     before = {k: v.clone() for k, v in live.state_dict().items()}
     staged = stage_drafter(
-        served["home"] / "drafters" / _publish(served["home"], seed=2),
+        served["home"] / "drafters" / publish_random(served["home"], seed=2),
         version="v000002",
         expected=ModuleTarget(live).expected(),
     )
@@ -346,7 +317,7 @@ def test_refresh_hook_runs_after_a_copy(served):
     live = served["live"]
     target = ModuleTarget(live, refresh=lambda: calls.append(live.norm.weight.clone()))
     staged = stage_drafter(
-        served["home"] / "drafters" / _publish(served["home"], seed=2),
+        served["home"] / "drafters" / publish_random(served["home"], seed=2),
         version="v000002",
         expected=target.expected(),
     )
@@ -415,36 +386,34 @@ def _run_ranks(reloaders, steps):
 
 
 def test_tp_ranks_swap_on_the_same_step(tmp_path):
-    cfg = _cfg()
+    cfg = drafter_config()
     lives = [DFlashDrafter(cfg) for _ in range(2)]
     home, desired, (r0, r1) = _tp_reloaders(
         tmp_path, [ModuleTarget(m) for m in lives], _ThreadGroup(2)
     )
-    _publish(home, seed=1)
-    v2 = _publish(home, seed=2)
+    publish_random(home, seed=1)
+    v2 = publish_random(home, seed=2)
     desired.write_text(v2)
     r0.poll_once()  # rank 1 has not staged yet: nobody swaps
     assert _run_ranks([r0, r1], 4) == [[None] * 4, [None] * 4]
     r1.poll_once()
     assert _run_ranks([r0, r1], 2) == [[None, v2], [None, v2]]  # checks every 2nd step
     for m in lives:
-        _assert_weights(m, _state(cfg, 2))
+        _assert_weights(m, random_state(cfg, 2))
 
 
 def test_tp_rank_failure_rolls_back_every_rank(tmp_path):
-    cfg = _cfg()
-    lives = [DFlashDrafter(cfg) for _ in range(2)]
-    for m in lives:
-        m.load_state_dict(_state(cfg, 1))
+    cfg = drafter_config()
+    lives = [random_drafter(cfg, 1) for _ in range(2)]
     targets = [ModuleTarget(lives[0]), _FailingTarget(lives[1])]
     home, desired, (r0, r1) = _tp_reloaders(tmp_path, targets, _ThreadGroup(2))
-    _publish(home, seed=1)
-    desired.write_text(_publish(home, seed=2))
+    publish_random(home, seed=1)
+    desired.write_text(publish_random(home, seed=2))
     r0.poll_once()
     r1.poll_once()
     assert _run_ranks([r0, r1], 2) == [[None, None], [None, None]]
     for m in lives:
-        _assert_weights(m, _state(cfg, 1))
+        _assert_weights(m, random_state(cfg, 1))
     assert r0.status.reloads == {"rolled_back": 1} and r1.status.reloads == {"failed": 1}
     assert r0.status.loaded_version == r1.status.loaded_version == "v000001"
 
@@ -463,7 +432,7 @@ def test_torch_dist_group_all_min(tmp_path):
 def test_watcher_thread_stages_in_background(served):
     reloader = served["reloader"]
     reloader.poll_interval_s = 0.02
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     reloader.start()
     try:
         served["file"].write_text(v2)
@@ -480,7 +449,7 @@ def test_watcher_can_be_stopped_and_started_again(served):
     reloader.poll_interval_s = 0.02
     reloader.start()
     reloader.stop()
-    v2 = _publish(served["home"], seed=2)
+    v2 = publish_random(served["home"], seed=2)
     served["file"].write_text(v2)
     reloader.start()
     try:
@@ -565,13 +534,12 @@ def test_drafter_for_another_target_is_rejected(tmp_path):
     target.mkdir()
     (target / "config.json").write_text('{"hidden_size": 16}')
     home = tmp_path / "home"
-    v1 = _publish(home, seed=1)  # its manifest names a target with another config hash
-    expected = ModuleTarget(DFlashDrafter(_cfg())).expected()
+    v1 = publish_random(home, seed=1)  # its manifest names a target with another config hash
+    expected = ModuleTarget(DFlashDrafter(drafter_config())).expected()
     with pytest.raises(ReloadError, match="was built for target 'tiny-target'"):
         stage_drafter(home / "drafters" / v1, version=v1, expected=expected, target_dir=target)
     from sglang_adaflash.drafter.manifest import target_fingerprint
 
-    cfg = _cfg()
-    v2 = publish_version(home, cfg, _state(cfg, 2), target=target_fingerprint(target))
+    v2 = publish_random(home, seed=2, target=target_fingerprint(target))
     staged = stage_drafter(home / "drafters" / v2, version=v2, expected=expected, target_dir=target)
     assert staged.version == v2

@@ -7,27 +7,21 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
-from sglang_adaflash.drafter.config import DrafterConfig
-from sglang_adaflash.drafter.model import DFlashDrafter
-from sglang_adaflash.drafter.store import publish_version
-
-from .test_serving_reload import RAW, TARGET
+from sglang_adaflash.testing.fixtures import publish_random
 
 RANK = textwrap.dedent(
     """
     import json, sys
     import torch, torch.distributed as dist
-    from sglang_adaflash.drafter.config import DrafterConfig
     from sglang_adaflash.drafter.model import DFlashDrafter
     from sglang_adaflash.serving.reload import (
         DesiredVersionSource, HotReloader, ModuleTarget, TorchDistGroup)
+    from sglang_adaflash.testing.fixtures import drafter_config
 
-    rank, store_path, home, desired, raw, fail_rank = sys.argv[1:7]
+    rank, store_path, home, desired, fail_rank = sys.argv[1:6]
     rank, fail_rank = int(rank), int(fail_rank)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    model = DFlashDrafter(DrafterConfig.from_dict(json.loads(raw)))
+    model = DFlashDrafter(drafter_config())
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     class Target(ModuleTarget):
@@ -52,10 +46,8 @@ RANK = textwrap.dedent(
 
 def _run(tmp_path, fail_rank):
     home = tmp_path / "home"
-    cfg = DrafterConfig.from_dict(RAW)
     for seed in (1, 2):
-        torch.manual_seed(seed)
-        publish_version(home, cfg, DFlashDrafter(cfg).state_dict(), target=TARGET)
+        publish_random(home, seed)
     desired = tmp_path / "desired"
     desired.write_text("v000002")
     store = tmp_path / f"store{fail_rank}"
@@ -69,7 +61,6 @@ def _run(tmp_path, fail_rank):
                 str(store),
                 str(home),
                 str(desired),
-                json.dumps(RAW),
                 str(fail_rank),
             ],
             stdout=subprocess.PIPE,

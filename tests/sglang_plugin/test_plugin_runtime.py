@@ -9,10 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_adaflash.drafter.config import DrafterConfig
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
-from sglang_adaflash.drafter.model import DFlashDrafter
-from sglang_adaflash.drafter.store import publish_version
 from sglang_adaflash.serving.metrics import NullSink
 from sglang_adaflash.serving.reload import (
     CompositeTarget,
@@ -29,43 +26,22 @@ from sglang_adaflash.sglang_plugin.runtime import (
     load_length_head,
     refresh_fused_kv_helper,
 )
+from sglang_adaflash.testing.fixtures import drafter_config, publish_random, random_state
 
 from .fakes import FusedDraft
 
-RAW = dict(
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    vocab_size=64,
-    num_target_layers=4,
-    block_size=4,
-    dflash_config=dict(
-        mask_token_id=63, use_thresh_head_two_model=True, thresh_head_bottleneck_dim=8
-    ),
-)
-
-
-def _cfg():
-    return DrafterConfig.from_dict(RAW)
-
-
-def _state(seed):
-    torch.manual_seed(seed)
-    return {k: v.detach().clone() for k, v in DFlashDrafter(_cfg()).state_dict().items()}
+CFG = drafter_config(num_hidden_layers=2)
 
 
 def test_length_head_loads_the_checkpoint_weights(tmp_path):
     home = tmp_path / "home"
-    v = publish_version(home, _cfg(), _state(1), target={"name": "t", "config_sha256": "0" * 64})
+    v = publish_random(home, seed=1, cfg=CFG)
     head = load_length_head(home / "drafters" / v, 16, 8, "cpu")
     ref = AdaptiveLengthHead(16, 8)
     ref.load_state_dict(
         {
             k.removeprefix("thresh_head_two_model."): t
-            for k, t in _state(1).items()
+            for k, t in random_state(CFG, 1).items()
             if k.startswith("thresh_head_two_model.")
         }
     )
@@ -102,10 +78,9 @@ def test_initial_version(tmp_path):
 
 
 def test_sglang_draft_target_reloads_in_place_with_the_head(tmp_path):
-    cfg = _cfg()
+    cfg = CFG
     home = tmp_path / "home"
-    target_fp = {"name": "t", "config_sha256": "0" * 64}
-    v1 = publish_version(home, cfg, _state(1), target=target_fp)
+    v1 = publish_random(home, seed=1, cfg=cfg)
     draft = FusedDraft(cfg)
     head = AdaptiveLengthHead(16, 8)
     refreshed = []
@@ -130,7 +105,7 @@ def test_sglang_draft_target_reloads_in_place_with_the_head(tmp_path):
     reloader.poll_once()
     assert reloader.at_step_boundary() == v1
     assert {n: t.data_ptr() for n, t in target.live_tensors().items()} == ptrs
-    s1 = _state(1)
+    s1 = random_state(cfg, 1)
     qkv = draft.params["layers__0__self_attn__qkv_proj__weight"]
     torch.testing.assert_close(qkv[: draft.q], s1["layers.0.self_attn.q_proj.weight"])
     torch.testing.assert_close(qkv[draft.q + draft.kv :], s1["layers.0.self_attn.v_proj.weight"])

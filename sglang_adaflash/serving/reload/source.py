@@ -2,8 +2,8 @@
 
 Every source is a file someone else writes (an admin call, the kubelet's downward API, a
 ConfigMap, the training job's ``drafters/latest``) and is polled from the watcher thread, so a
-missing, half-written or garbled file is logged and skipped, never raised: serving goes on with
-what is loaded.
+file that is missing, unreadable, not text or not a version name counts as no value (logged,
+not raised) and serving goes on with what is loaded.
 """
 
 from __future__ import annotations

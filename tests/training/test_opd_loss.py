@@ -1,0 +1,119 @@
+"""The OPD loss: reverse KL, entry-wise clipping after normalisation, CE on the target's argmax."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training_job.dflash_offline import IGNORE, position_weights, weighted_ce
+from training_job.opd.loss import denominators, opd_loss, osd_loss, reverse_kl
+
+V = 6
+
+
+def _case(seed=0, n=3, b=5):
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randn(n, b, V, generator=g, dtype=torch.float64) * 2
+    t = torch.randn(n, b, V, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, V, (n, b), generator=g)
+    labels[:, 0] = IGNORE
+    labels[-1, 3:] = IGNORE  # a block that runs past its sequence
+    return d.requires_grad_(), t, labels
+
+
+def test_reverse_kl_is_kl_of_drafter_from_target():
+    p_d = torch.tensor([0.9, 0.09, 0.01], dtype=torch.float64)
+    p_t = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    want = float((p_d * (p_d / p_t).log()).sum())
+    forward = float((p_t * (p_t / p_d).log()).sum())
+    assert abs(want - forward) > 0.1  # the two directions differ here
+    got = reverse_kl(p_d.log()[None, None], p_t.log()[None, None])
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    # temperature divides both logit sets
+    hot = reverse_kl(p_d.log()[None, None], p_t.log()[None, None], temperature=2.0)
+    q_d, q_t = p_d.sqrt() / p_d.sqrt().sum(), p_t.sqrt() / p_t.sqrt().sum()
+    assert hot.item() == pytest.approx(float((q_d * (q_d / q_t).log()).sum()), rel=1e-5)
+
+
+def test_clipping_is_entrywise_and_after_normalisation():
+    """Four valid slots (N = 4), tau = 0.1. Slot 1: KL 2.0, share 0.5 > tau -> clipped, no
+    gradient. Slot 2: KL 0.3 > tau but share 0.075 < tau -> not clipped, gets a gradient."""
+    b = 5
+    t = torch.zeros(1, b, V, dtype=torch.float64)
+    d = torch.zeros(1, b, V, dtype=torch.float64)
+
+    def logits_with_kl(target_kl):
+        # drafter = target with a bump on token 0 sized to give the wanted reverse KL
+        lo, hi = 0.0, 20.0
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            x = torch.zeros(1, 1, V, dtype=torch.float64)
+            x[..., 0] = mid
+            if reverse_kl(x, torch.zeros_like(x)).item() < target_kl:
+                lo = mid
+            else:
+                hi = mid
+        x = torch.zeros(V, dtype=torch.float64)
+        x[0] = lo
+        return x
+
+    d[0, 1] = logits_with_kl(2.0)
+    d[0, 2] = logits_with_kl(0.3)
+    d[0, 3] = logits_with_kl(0.01)
+    d[0, 4] = logits_with_kl(0.01)
+    d.requires_grad_()
+    labels = torch.tensor([[IGNORE, 1, 1, 1, 1]])
+    w = position_weights(b, 7.0)
+    parts = opd_loss(d, t, labels, w, alpha=0.0, tau=0.1)
+    parts.loss.backward()
+    g = d.grad[0].abs().sum(-1)
+    assert g[1].item() == 0.0
+    assert g[2].item() > 0 and g[3].item() > 0
+    assert parts.clipped == 1
+    kl = reverse_kl(d.detach(), t)[0]
+    want = w[1] * 0.1 + sum(w[k] * kl[k] / 4 for k in (2, 3, 4))
+    assert parts.loss.item() == pytest.approx(float(want), rel=1e-6)
+
+
+def test_ce_term_uses_the_target_argmax_with_position_decay():
+    d, t, labels = _case()
+    w = position_weights(5, 7.0)
+    assert w[0] == 0 and w[2].item() == pytest.approx(math.exp(-1 / 7))
+    greedy = t.argmax(-1).masked_fill(labels == IGNORE, IGNORE)
+    assert (greedy != labels).any()  # the data tokens differ from the target's argmax here
+    parts = opd_loss(d, t, labels, w, alpha=1.0)
+    assert parts.loss.item() == pytest.approx(weighted_ce(d, greedy, w).item(), rel=1e-6)
+    mixed = opd_loss(d, t, labels, w, alpha=0.8, tau=1e9)
+    count = (labels != IGNORE).sum()
+    rkl = (w[None] * reverse_kl(d, t) / count * (labels != IGNORE)).sum()
+    want = 0.8 * weighted_ce(d, greedy, w) + 0.2 * rkl
+    assert mixed.loss.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_osd_is_weighted_ce_on_the_response_tokens():
+    d, _, labels = _case(1)
+    w = position_weights(5, 7.0)
+    assert osd_loss(d, labels, w).loss.item() == pytest.approx(weighted_ce(d, labels, w).item())
+
+
+@pytest.mark.parametrize("algorithm", ["opd", "osd"])
+def test_shards_with_global_denominators_sum_to_the_whole_batch(algorithm):
+    """What data-parallel ranks rely on: per-rank losses with the global denominators have
+    gradients that add up to the single-process gradient (clipping included)."""
+    d, t, labels = _case(2, n=6)
+    w = position_weights(5, 7.0)
+
+    def loss(dl, tl, lab, **kw):
+        if algorithm == "opd":
+            return opd_loss(dl, tl, lab, w, tau=0.05, **kw).loss
+        return osd_loss(dl, lab, w, weight_sum=kw.get("weight_sum")).loss
+
+    loss(d, t, labels).backward()
+    whole = d.grad.clone()
+    d.grad = None
+    count, wsum = denominators(labels, w)
+    for part in (slice(0, 2), slice(2, 6)):
+        loss(d[part], t[part], labels[part], count=count, weight_sum=wsum).backward()
+    assert torch.allclose(d.grad, whole, atol=1e-12)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -163,20 +164,33 @@ class SpecEngine:
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""
-        by_id: dict[str, RequestOutput] = {}
+        by_id = {out.request_id: out for out in self.run_iter(requests, progress)}
+        return [by_id[req.request_id] for req in requests]
+
+    def run_iter(self, requests: list[Request], progress=None) -> Iterator[RequestOutput]:
+        """Serve a list of requests, yielding each output the moment it is final.
+
+        Refusals come first (submission order), then finished requests in finish order, so a
+        caller can hand each one on before the slowest request is done: whatever has finished
+        survives an interrupted run.
+        """
+        refused: list[RequestOutput] = []
         for req in requests:
             out = self.submit(req)  # assigns request_id when missing
             if out is not None:
-                by_id[req.request_id] = out
+                refused.append(out)
         ids = [req.request_id for req in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique within one run()")
+        for out in refused:
+            if progress is not None:
+                progress.update(1)
+            yield out
         while self.has_unfinished():
             for out in self.step():
-                by_id[out.request_id] = out
                 if progress is not None:
                     progress.update(1)
-        return [by_id[req.request_id] for req in requests]
+                yield out
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,9 +224,11 @@ class SpecEngine:
             return torch.tensor(values, dtype=dtype, device=self.device).repeat_interleave(repeat)
 
         sp = [s.req.sampling for s in seqs]
+        vocab = self.target.vocab_size
         return (
             col([p.temperature for p in sp], torch.float32),
-            col([p.top_k for p in sp], torch.long),
+            # top-k beyond the vocabulary keeps all of it, as 0 does; clamped so any int fits a long
+            col([min(p.top_k, vocab) for p in sp], torch.long),
             col([p.top_p for p in sp], torch.float32),
         )
 
@@ -379,6 +395,24 @@ class SpecEngine:
                 RequestOutput(seq.req.request_id, list(seq.req.prompt_ids), seq.output, seq.finish, seq.stats, None, seq.req.domain)
             )
         return outs
+
+
+def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str, max_batch_size: int, max_seq_len: int) -> int:
+    """What SpecEngine(...) with these settings allocates for its slot caches, up front.
+
+    The caches are allocated whole at construction, so a caller can refuse settings that would
+    not fit before torch tries (and the machine swaps or the process is killed).
+    """
+    capacity = max_seq_len + (drafter.config.block_size if drafter is not None else 1) + 1  # as __init__
+
+    def cache(layers, kv_heads, head_dim, dtype) -> int:
+        return 2 * layers * max_batch_size * kv_heads * capacity * head_dim * dtype.itemsize
+
+    total = cache(target.num_layers, target.config.num_key_value_heads, target.head_dim, target.dtype)
+    if mode != "ar" and drafter is not None:
+        cfg = drafter.config
+        total += cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, drafter.fc.weight.dtype)
+    return total
 
 
 def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> StepCostModel:

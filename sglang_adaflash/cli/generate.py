@@ -1,9 +1,22 @@
-"""`adaflash generate`: serve prompts with the reference engine and print the results."""
+"""`adaflash generate`: serve prompts with the reference engine and print each result as it finishes.
+
+Records are printed in finish order, one per prompt, each flushed as soon as its request is done:
+a run that is killed keeps every record printed before, and one stopped with Ctrl-C (SIGINT)
+says on stderr how many prompts were left unfinished and exits with 130. Prompts refused before
+decoding (unreadable lines, ids outside the vocabulary, ...) come first. Every record carries the
+prompt's `id` and its `index` (0-based position among the prompts), so the order of the output
+never matters for matching results to prompts.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +24,7 @@ import torch
 from ..engine.request import Request, RequestOutput, RequestStats
 from ..engine.sampling import RequestError, SamplingParams
 from .loading import LoadedPair, load_pair
-from .prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
+from .prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids, unicode_problem
 
 
 @dataclass
@@ -43,17 +56,24 @@ def prepare_requests(
 ) -> PreparedRequests:
     prep = PreparedRequests(specs)
     stops = () if ignore_eos else pair.stop_token_ids
+    limit = getattr(pair.target.config, "max_position_embeddings", None)
     for i, spec in enumerate(specs):
         try:
             ids = resolve_prompt_ids(spec, pair.tokenizer, use_chat_template)
         except ValueError as e:
             prep.errors[i] = str(e)
             continue
+        n = spec.max_new_tokens or max_new_tokens
+        if limit and len(ids) + n > limit:
+            # refused here, so one line's huge max_new_tokens cannot size every request's cache
+            prep.errors[i] = (f"{spec.where or spec.id}: prompt of {len(ids)} tokens plus max_new_tokens {n} "
+                              f"exceeds the target's {limit} positions; shorten the prompt or lower max_new_tokens")
+            continue
         sampling = SamplingParams(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            max_new_tokens=spec.max_new_tokens or max_new_tokens,
+            max_new_tokens=n,
             stop_token_ids=stops,
         )
         # engine ids are positional: user ids may repeat across lines
@@ -61,19 +81,23 @@ def prepare_requests(
     return prep
 
 
-def run_prepared(engine, prep: PreparedRequests, progress=None) -> list[RequestOutput]:
-    """Outputs in prompt order; prompts that failed early get an error output of their own."""
-    order = sorted(prep.requests)
-    outs = engine.run([prep.requests[i] for i in order], progress=progress)
-    by_index = dict(zip(order, outs))
+def iter_prepared(engine, prep: PreparedRequests, progress=None) -> Iterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) for every prompt, as each becomes final.
+
+    Prompts that failed before the engine come first, in prompt order; then the engine's
+    refusals and finished requests in the order the engine produces them.
+    """
     block = getattr(engine, "block_size", 1)
-    result = []
-    for i, spec in enumerate(prep.specs):
-        if i in by_index:
-            result.append(by_index[i])
-        else:
-            result.append(RequestOutput(f"r{i}", [], [], "error", RequestStats(block), prep.errors[i], spec.domain))
-    return result
+    for i in sorted(prep.errors):
+        if progress is not None:
+            progress.update(1)
+        yield i, RequestOutput(f"r{i}", [], [], "error", RequestStats(block), prep.errors[i], prep.specs[i].domain)
+    order = sorted(prep.requests)
+    if not order:
+        return
+    index = {prep.requests[i].request_id: i for i in order}
+    for out in engine.run_iter([prep.requests[i] for i in order], progress=progress):
+        yield index[out.request_id], out
 
 
 def decode(tokenizer, ids: list[int]) -> str | None:
@@ -82,13 +106,14 @@ def decode(tokenizer, ids: list[int]) -> str | None:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def output_record(spec: PromptSpec, out: RequestOutput, tokenizer) -> dict:
+def output_record(index: int, spec: PromptSpec, out: RequestOutput, tokenizer) -> dict:
     s = out.stats
     error = out.error
     if error and spec.where and not error.startswith(spec.where):
         error = f"{spec.where}: {error}"  # engine refusals name the JSONL line too
     return {
         "id": spec.id,
+        "index": index,
         "domain": spec.domain,
         "prompt_tokens": len(out.prompt_ids),
         "output_ids": list(out.output_ids),
@@ -102,23 +127,94 @@ def output_record(spec: PromptSpec, out: RequestOutput, tokenizer) -> dict:
     }
 
 
-def make_engine(pair: LoadedPair, mode: str, max_batch_size: int, max_seq_len: int, seed: int):
-    from ..engine.engine import SpecEngine
+def available_memory(device: str | torch.device) -> int | None:
+    """Bytes free for new tensors on `device`; None when it cannot be told."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0])
+        except Exception:  # no driver, bad index: allocation itself will say
+            return None
+    if dev.type != "cpu":
+        return None
+    free: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        try:
+            free.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:  # a container's own limit (cgroup v2) is often far below the host's memory
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                free.append(max(int(limit) - int(f.read().strip()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(free) if free else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def make_engine(
+    pair: LoadedPair,
+    mode: str,
+    max_batch_size: int,
+    max_seq_len: int,
+    seed: int,
+    *,
+    num_requests: int | None = None,
+    batch_flag: str = "--max-batch-size",
+):
+    """An engine whose caches fit: slots for at most the requests there are, and a clear refusal
+    (CLIError) when even those would not fit in the device's free memory."""
+    from ..engine.engine import SpecEngine, kv_cache_bytes
 
     limit = getattr(pair.target.config, "max_position_embeddings", None)
     if limit:
         max_seq_len = min(max_seq_len, int(limit))
+    max_seq_len = max(max_seq_len, 2)
+    slots = max_batch_size if num_requests is None else min(max_batch_size, num_requests)
+    slots = max(slots, 1)
+    drafter = pair.drafter if mode != "ar" else None
+    need = kv_cache_bytes(pair.target, drafter, mode=mode, max_batch_size=slots, max_seq_len=max_seq_len)
+    free = available_memory(pair.target.device)
+    if free is not None and need > free:
+        raise CLIError(
+            f"the KV caches for {slots} concurrent request(s) of up to {max_seq_len} tokens need {_gib(need)}, "
+            f"more than the {_gib(free)} free on {pair.target.device}; lower {batch_flag}, --max-new-tokens "
+            "or the prompts' length"
+        )
     try:
         return SpecEngine(
             pair.target,
-            pair.drafter if mode != "ar" else None,
+            drafter,
             mode=mode,
-            max_batch_size=max_batch_size,
-            max_seq_len=max(max_seq_len, 2),
+            max_batch_size=slots,
+            max_seq_len=max_seq_len,
             seed=seed,
         )
     except ValueError as e:
         raise CLIError(" ".join(str(e).split())) from None
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise CLIError(
+            f"cannot allocate the KV caches ({_gib(need)} for {slots} request(s) of up to {max_seq_len} tokens): "
+            f"{' '.join(str(e).split())[:200]}; lower {batch_flag} or --max-new-tokens"
+        ) from None
+
+
+def check_seed(seed: int) -> None:
+    try:
+        torch.Generator().manual_seed(seed)
+    except (ValueError, RuntimeError, OverflowError):
+        raise CLIError(f"--seed must be an integer in [0, 2**64), got {seed}") from None
 
 
 def quiet_transformers() -> None:
@@ -128,17 +224,29 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cmd_generate(args) -> int:
-    from tqdm import tqdm
-
+def _check_flags(args) -> None:
+    """Everything that can be told wrong before a model is loaded."""
     if args.max_batch_size < 1:
         raise CLIError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    try:  # the shared sampling settings are checked once, before any model is loaded
+    try:  # the shared sampling settings are checked once
         SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens).validate(vocab_size=1)
     except RequestError as e:
         raise CLIError(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p").replace("temperature", "--temperature")) from None
+    check_seed(args.seed)
+    if args.prompt is not None:
+        bad = unicode_problem(args.prompt, from_bytes=True)
+        if bad:
+            raise CLIError(f"--prompt is not valid UTF-8 text ({bad}); pass UTF-8 text, or use --prompts FILE.jsonl")
+        if not args.prompt:
+            raise CLIError("--prompt is empty: give some text")
+
+
+def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    _check_flags(args)
     if args.prompt is not None:
         specs = [PromptSpec(id="0", text=args.prompt, where="--prompt")]
     else:
@@ -146,6 +254,9 @@ def cmd_generate(args) -> int:
     torch.manual_seed(args.seed)
     quiet_transformers()
     pair = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, need_drafter=args.mode != "ar")
+    limit = getattr(pair.target.config, "max_position_embeddings", None)
+    if limit and args.max_new_tokens >= limit:
+        raise CLIError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's {limit} positions")
     prep = prepare_requests(
         specs,
         pair,
@@ -156,27 +267,75 @@ def cmd_generate(args) -> int:
         ignore_eos=args.ignore_eos,
         use_chat_template=not args.no_chat_template,
     )
-    engine = make_engine(pair, args.mode, args.max_batch_size, prep.max_seq_len, args.seed)
-    show = not args.quiet and len(prep.requests) > 1
-    with tqdm(total=len(prep.requests), desc=f"generate [{args.mode}]", unit="req", disable=not show, file=sys.stderr) as bar:
-        outs = run_prepared(engine, prep, progress=bar)
-    records = [output_record(spec, out, pair.tokenizer) for spec, out in zip(specs, outs)]
-    for rec in records:
-        if args.json:
-            print(json.dumps(rec, ensure_ascii=False))
-        else:
-            _print_human(rec)
-    failed = sum(r["error"] is not None for r in records)
-    if failed:
-        print(f"adaflash: {failed} of {len(records)} request(s) failed", file=sys.stderr)
-    return 1 if failed else 0
+    engine = make_engine(pair, args.mode, args.max_batch_size, prep.max_seq_len, args.seed,
+                         num_requests=len(prep.requests))
+    show = not args.quiet and len(specs) > 1
+    printer = RecordPrinter(as_json=args.json)
+    try:
+        with tqdm(total=len(specs), desc=f"generate [{args.mode}]", unit="req", disable=not show, file=sys.stderr) as bar:
+            for i, out in iter_prepared(engine, prep, progress=bar):
+                printer.emit(output_record(i, specs[i], out, pair.tokenizer))
+    except KeyboardInterrupt:
+        print(f"adaflash generate: interrupted: {len(specs) - printer.printed} of {len(specs)} request(s) unfinished; "
+              f"the {printer.printed} finished are printed above", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more can be delivered
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush is quiet too
+        print(f"adaflash generate: stdout was closed after {printer.printed} record(s); stopped", file=sys.stderr)
+        return 141
+    if printer.failed:
+        print(f"adaflash: {printer.failed} of {len(specs)} request(s) failed", file=sys.stderr)
+    return 1 if printer.failed else 0
 
 
-def _print_human(rec: dict) -> None:
+class RecordPrinter:
+    """Writes whole records to stdout, flushed one by one, and counts them."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.printed = 0
+        self.failed = 0
+
+    def emit(self, rec: dict) -> None:
+        """A Ctrl-C that comes while a record is written and counted takes effect right after: it
+        lands between records, so every record printed is whole and the unfinished count exact."""
+        with _sigint_deferred():
+            try:
+                sys.stdout.write(_render(rec, self.as_json, ascii_only=False))
+            except UnicodeEncodeError:  # a stdout that cannot encode the text: escape, never drop it
+                sys.stdout.write(_render(rec, self.as_json, ascii_only=True))
+            sys.stdout.flush()
+            self.printed += 1
+            self.failed += rec["error"] is not None
+
+
+@contextmanager
+def _sigint_deferred():
+    # A handler, not a signal mask: masks are per thread, and torch's threads would take the signal.
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _render(rec: dict, as_json: bool, ascii_only: bool) -> str:
+    if as_json:
+        return json.dumps(rec, ensure_ascii=ascii_only) + "\n"
+    text = _human(rec)
+    return text.encode("ascii", "backslashreplace").decode("ascii") if ascii_only else text
+
+
+def _human(rec: dict) -> str:
     head = f"=== {rec['id']}" + (f" [{rec['domain']}]" if rec["domain"] else "")
     if rec["error"]:
-        print(f"{head}  ERROR: {rec['error']}")
-        return
+        return f"{head}  ERROR: {rec['error']}\n"
     n = len(rec["output_ids"])
-    print(f"{head}  {n} tokens, {rec['steps']} steps, tau {rec['tau']:.2f}, finish {rec['finish_reason']}")
-    print(rec["text"] if rec["text"] is not None else rec["output_ids"])
+    body = rec["text"] if rec["text"] is not None else rec["output_ids"]
+    return f"{head}  {n} tokens, {rec['steps']} steps, tau {rec['tau']:.2f}, finish {rec['finish_reason']}\n{body}\n"

@@ -12,7 +12,7 @@ from sglang_adaflash.cli.prompts import CLIError, read_prompts
 
 from .conftest import write_jsonl
 
-RECORD_KEYS = {"id", "domain", "prompt_tokens", "output_ids", "text", "accept_lens", "verify_lens", "tau", "steps",
+RECORD_KEYS = {"id", "index", "domain", "prompt_tokens", "output_ids", "text", "accept_lens", "verify_lens", "tau", "steps",
                "finish_reason", "error"}
 
 
@@ -67,6 +67,10 @@ def test_jsonl_bad_lines_fail_alone(tiny_pair, tmp_path, capsys):
                             "--ignore-eos", "--json")
     assert rc == 1 and "4 of 6 request(s) failed" in err
     by_id = {r["id"]: r for r in recs}
+    # finish order: lines refused before decoding first, then as requests finish; index = prompt position
+    assert [r["id"] for r in recs[:3]] == ["3", "both", "neg"]
+    recs.sort(key=lambda r: r["index"])
+    assert [r["index"] for r in recs] == list(range(6))
     assert [r["id"] for r in recs] == ["good-text", "good-ids", "3", "oov", "both", "neg"]
     assert len(by_id["good-text"]["output_ids"]) == 5 and by_id["good-text"]["domain"] == "math"
     assert len(by_id["good-ids"]["output_ids"]) == 7
@@ -85,7 +89,7 @@ def test_modes_agree_at_temperature_zero(tiny_pair, tmp_path, capsys):
         rc, recs, _, _ = _run(capsys, *_pair_args(tiny_pair, mode), "--prompts", path, "--max-new-tokens", 13,
                               "--max-batch-size", 2, "--ignore-eos", "--json")
         assert rc == 0
-        outs[mode] = [r["output_ids"] for r in recs]
+        outs[mode] = [r["output_ids"] for r in sorted(recs, key=lambda r: r["index"])]
     assert all(len(o) == 13 for o in outs["ar"])
     assert outs["dflash"] == outs["ar"] and outs["adaflash"] == outs["ar"]
 

@@ -18,10 +18,12 @@ For every domain (code, math, prose) of the held-out workloads (by default the s
 
 Repeated-4-gram share. For an output of token ids ``t_1 .. t_n`` its 4-grams are
 ``g_i = (t_i, t_i+1, t_i+2, t_i+3)`` for ``i = 1 .. n-3``; ``g_i`` *repeats* when it equals some
-``g_j`` with ``j < i`` of the same output. The share of a set of outputs is the number of
-repeating 4-grams over the number of 4-grams, both summed over the outputs (outputs shorter than
-4 tokens add nothing). ``a b c d a b c d`` has five 4-grams of which one (the second ``a b c d``)
-repeats: 0.2. A text that cycles with a short period scores close to 1, fresh text 0.
+``g_j`` with ``j < i`` of the same output. An output's share is its repeating 4-grams over its
+4-grams: ``a b c d a b c d`` has five 4-grams of which one (the second ``a b c d``) repeats, 0.2;
+text that cycles with a short period scores close to 1, fresh text 0. The reported
+``rep4_share`` is the mean of the outputs' shares over the outputs that have at least one 4-gram
+(4 tokens or more), so every prompt weighs the same; ``rep4_pooled`` divides the repeating
+4-grams of all outputs by all their 4-grams, so long outputs weigh more.
 
 The model runs in float32 (bf16 weights are upcast), batched with left padding. Samples are
 reproducible: the same target, prompts, ``--batch-size`` and ``--seed`` give the same tokens.
@@ -61,14 +63,19 @@ def repeated_ngrams(tokens: Sequence, n: int = 4) -> tuple[int, int]:
     return repeated, total
 
 
-def repeated_ngram_share(outputs: Sequence[Sequence], n: int = 4) -> float | None:
-    """Repeating n-grams over all n-grams, summed over ``outputs``; None when there are none."""
-    rep = tot = 0
-    for out in outputs:
-        r, t = repeated_ngrams(out, n)
-        rep += r
-        tot += t
-    return rep / tot if tot else None
+def repeated_ngram_share(outputs: Sequence[Sequence], n: int = 4,
+                         how: str = "mean") -> float | None:
+    """The repeated-n-gram share of ``outputs``: ``how="mean"`` averages each output's share
+    (repeating n-grams / n-grams) over the outputs that have an n-gram; ``how="pooled"`` divides
+    the repeating n-grams of all outputs by all their n-grams. None when no output has one."""
+    counts = [c for c in (repeated_ngrams(out, n) for out in outputs) if c[1]]
+    if not counts:
+        return None
+    if how == "mean":
+        return sum(r / t for r, t in counts) / len(counts)
+    if how == "pooled":
+        return sum(r for r, _ in counts) / sum(t for _, t in counts)
+    raise ValueError(f"how must be 'mean' or 'pooled', got {how!r}")
 
 
 def answer_accuracy(texts: Sequence[str], answers: Sequence[int]) -> dict:
@@ -132,12 +139,11 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, batch
 
 def _gen_stats(outs: list[tuple[list[int], bool]], n: int = 4) -> dict:
     toks = [t for t, _ in outs]
-    rep = tot = 0
-    for t in toks:
-        r, c = repeated_ngrams(t, n)
-        rep += r
-        tot += c
-    return {"rep4_share": rep / tot if tot else None, "repeated_4grams": rep, "4grams": tot,
+    counts = [repeated_ngrams(t, n) for t in toks]
+    return {"rep4_share": repeated_ngram_share(toks, n, "mean"),
+            "rep4_pooled": repeated_ngram_share(toks, n, "pooled"),
+            "repeated_4grams": sum(r for r, _ in counts), "4grams": sum(t for _, t in counts),
+            "outputs_with_4grams": sum(t > 0 for _, t in counts),
             "mean_tokens": sum(map(len, toks)) / len(toks) if toks else None,
             "stopped_share": sum(s for _, s in outs) / len(outs) if outs else None}
 
@@ -211,20 +217,23 @@ def _fmt(x, spec: str) -> str:
 
 def format_table(report: dict) -> str:
     s = report["settings"]
+    t = f"T={s['temperature']}"
     lines = [f"target {report['target']}  (workloads {report['workloads']})",
-             f"{'domain':<7} {'ppl':>8} {'rep4 T=0':>9} {'rep4 T=' + str(s['temperature']):>10} "
-             f"{'answers':>9} {'prompts':>8} {'ppl tokens':>11}"]
+             f"{'domain':<7} {'ppl':>8} {'rep4 T=0':>9} {'(pooled)':>9} {'rep4 ' + t:>10} "
+             f"{'(pooled)':>9} {'answers':>8} {'prompts':>8} {'ppl tokens':>11}"]
     for d, e in report["domains"].items():
         acc = e.get("math_answers")
+        g, x = e["greedy"], e["sampled"]
         lines.append(
-            f"{d:<7} {_fmt(e['ppl'], '8.2f')} {_fmt(e['greedy']['rep4_share'], '9.3f')} "
-            f"{_fmt(e['sampled']['rep4_share'], '10.3f')} "
-            f"{_fmt(acc['accuracy'] if acc else None, '9.3f')} {e['prompts']:>8} "
-            f"{e['ppl_tokens']:>11}")
-    lines.append(f"rep4: share of output 4-grams (token ids) repeating an earlier one of the same "
-                 f"output, {s['max_new_tokens']} new tokens at most; sampled with top-p "
-                 f"{s['top_p']}, seed {s['seed']}; answers: greedy math accuracy "
-                 f"({s['answer_max_new_tokens']} tokens). {report['wall_s']} s.")
+            f"{d:<7} {_fmt(e['ppl'], '8.2f')} {_fmt(g['rep4_share'], '9.3f')} "
+            f"{_fmt(g['rep4_pooled'], '9.3f')} {_fmt(x['rep4_share'], '10.3f')} "
+            f"{_fmt(x['rep4_pooled'], '9.3f')} {_fmt(acc['accuracy'] if acc else None, '8.3f')} "
+            f"{e['prompts']:>8} {e['ppl_tokens']:>11}")
+    lines.append(f"rep4: per output, the share of its 4-grams (token ids) that repeat an earlier "
+                 f"one, mean over outputs (pooled: over all 4-grams); {s['max_new_tokens']} new "
+                 f"tokens at most; sampled with top-p {s['top_p']}, seed {s['seed']}. answers: "
+                 f"greedy math accuracy ({s['answer_max_new_tokens']} tokens). "
+                 f"{report['wall_s']} s.")
     return "\n".join(lines)
 
 

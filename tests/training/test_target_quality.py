@@ -19,9 +19,14 @@ def test_repeated_4gram_share_by_hand():
     assert tq.repeated_ngrams(list("abcdefg")) == (0, 4)
     assert tq.repeated_ngrams(list("abc")) == (0, 0)
     assert tq.repeated_ngram_share([list("abc"), []]) is None
-    # Pooled over outputs: (1 + 0) repeats over (5 + 1) 4-grams; a 4-gram of one output does not
-    # count as a repeat in another.
-    assert tq.repeated_ngram_share(["a b c d a b c d".split(), list("abcd")]) == pytest.approx(1 / 6)
+    # Over outputs: the mean of 0.2 and 0 (the 3-token output has no 4-gram and is left out), or
+    # pooled, (1 + 0) repeats over (5 + 1) 4-grams; a 4-gram of one output is no repeat in another.
+    outs = ["a b c d a b c d".split(), list("abcd"), list("xyz")]
+    assert tq.repeated_ngram_share(outs) == pytest.approx(0.1)
+    assert tq.repeated_ngram_share(outs, how="pooled") == pytest.approx(1 / 6)
+    assert tq.repeated_ngram_share([list("aaaaaa"), list("abcdefg")]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        tq.repeated_ngram_share(outs, how="median")
     # Token ids work the same as strings.
     assert tq.repeated_ngrams([5, 6, 7, 8, 5, 6, 7, 8, 5]) == (2, 6)
 
@@ -78,7 +83,8 @@ def test_command_on_a_tiny_model(tiny_target, workloads, tmp_path, capsys):
         for kind in ("greedy", "sampled"):
             g = e[kind]
             assert g["mean_tokens"] <= 12
-            assert g["rep4_share"] is None or 0.0 <= g["rep4_share"] <= 1.0
+            for k in ("rep4_share", "rep4_pooled"):
+                assert g[k] is None or 0.0 <= g[k] <= 1.0
             assert g["repeated_4grams"] <= g["4grams"]
     assert rep["domains"]["math"]["math_answers"]["total"] == 4
     assert "math_answers" not in rep["domains"]["code"]

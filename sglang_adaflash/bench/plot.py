@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from ..fsio import atomic_path
@@ -10,7 +11,11 @@ COLORS = {"hf": "tab:gray", "ar": "tab:blue", "dflash": "tab:orange", "adaflash"
 
 
 def plot_results(results: dict, path: str | Path) -> Path:
-    """Write a PNG atomically (temp file in the same directory, then rename)."""
+    """Write a PNG atomically (temp file in the same directory, then rename).
+
+    The figure is rendered into memory first, so the temp file exists only while its bytes are
+    written: rendering takes seconds, and a run killed in that window would leave it behind.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,9 +59,11 @@ def plot_results(results: dict, path: str | Path) -> Path:
     fig.tight_layout()
 
     path = Path(path)
+    buf = io.BytesIO()
     try:
-        with atomic_path(path, suffix=".tmp.png") as tmp:
-            fig.savefig(tmp, dpi=110)
+        fig.savefig(buf, format="png", dpi=110)
     finally:
         plt.close(fig)
+    with atomic_path(path, suffix=".tmp.png") as tmp:
+        tmp.write_bytes(buf.getvalue())
     return path

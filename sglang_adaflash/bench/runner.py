@@ -12,14 +12,19 @@ Throughput = generated tokens / wall seconds of the whole run (prefill included)
 interleaved (each repeat visits every mode, in a rotated order) so slow drifts of a shared
 machine hit all modes alike; the median over repeats is reported. At T=0 every speculative
 mode must reproduce ar's tokens exactly: the benchmark checks it and reports any mismatch.
+
+results.json is meant to be committed and compared across machines, so it holds no absolute path
+of the machine that wrote it (see `recorded_path`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.generate import make_engine, quiet_transformers
+from ..cli.generate import check_seed, make_engine, quiet_transformers
 from ..cli.loading import LoadedPair, load_pair
 from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
 from ..engine.engine import EngineStats
@@ -141,7 +146,7 @@ def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
     t = pair.target
     out = {
         "target": {
-            "path": str(cfg.target),
+            "path": recorded_path(cfg.target),
             "layers": t.num_layers,
             "hidden_size": t.hidden_size,
             "vocab_size": t.vocab_size,
@@ -152,7 +157,7 @@ def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
     if pair.drafter is not None:
         d = pair.drafter.config
         out["drafter"] = {
-            "path": str(cfg.drafter),
+            "path": recorded_path(cfg.drafter),
             "layers": d.num_hidden_layers,
             "block_size": d.block_size,
             "target_layer_ids": list(d.target_layer_ids),
@@ -195,7 +200,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
     runs, results, mismatches, hf_agreement = [], [], [], {}
     for c in cfg.concurrency:
         n = counts[c]
-        engines = {m: make_engine(pair, m, c, max_seq, cfg.seed) for m in cfg.modes if m != "hf"}
+        engines = {m: make_engine(pair, m, c, max_seq, cfg.seed, num_requests=n, batch_flag="--concurrency")
+                   for m in cfg.modes if m != "hf"}
         for m, e in engines.items():
             bar.set_postfix_str(f"c={c} warm-up {m}")
             _warm_up(e, workload, stop_ids)
@@ -284,8 +290,10 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
     return {
         "format": "adaflash.bench/v1",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["adaflash"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("adaflash") else None,
-        "config": {**asdict(cfg), "requests_per_concurrency": {str(c): counts[c] for c in cfg.concurrency},
+        "command": recorded_command(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("adaflash") else None,
+        "config": {**asdict(cfg), "target": recorded_path(cfg.target), "drafter": recorded_path(cfg.drafter),
+                   "prompts": [recorded_path(p) for p in cfg.prompts],
+                   "requests_per_concurrency": {str(c): counts[c] for c in cfg.concurrency},
                    "temperature": 0.0, "stop_token_ids": list(stop_ids)},
         "environment": _environment(cfg.device),
         "models": _models(pair, cfg),
@@ -296,6 +304,40 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         "runs": runs,
         "equality": equality,
     }
+
+
+def recorded_path(path: str | os.PathLike | None) -> str | None:
+    """A path as results.json records it: as given when relative; `<embedded>/...` inside the
+    package's bundled assets; relative to the current directory when under it; else
+    `<outside>/NAME`. Results are shared between machines, and one machine's absolute paths
+    mean nothing on another (and say more about it than they should)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_absolute():
+        return str(path)
+    from ..assets import ASSETS_DIR
+
+    seen = [Path(os.path.normpath(p)), p.resolve()]  # as written, and through symlinks
+    for q in seen:
+        if q.is_relative_to(ASSETS_DIR):
+            return "/".join(["<embedded>", *q.relative_to(ASSETS_DIR).parts])
+    for cwd in (Path.cwd(), Path.cwd().resolve()):
+        for q in seen:
+            if q.is_relative_to(cwd):
+                return q.relative_to(cwd).as_posix()
+    return f"<outside>/{p.name}"
+
+
+def recorded_command(argv: list[str]) -> str:
+    """The command line with its absolute paths recorded as `recorded_path` does."""
+    def one(arg: str) -> str:
+        flag, eq, value = arg.partition("=")
+        if eq and flag.startswith("--") and os.path.isabs(value):
+            return f"{flag}={recorded_path(value)}"
+        return recorded_path(arg) if os.path.isabs(arg) else arg
+
+    return " ".join(["adaflash"] + [one(a) for a in argv])
 
 
 def add_speedups(results: list[dict], runs: list[dict]) -> None:
@@ -370,14 +412,25 @@ def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = T
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"cannot create output directory {out}: {e}") from None
+    stale = remove_stale_temps(out)
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) an interrupted run left in {out}", file=sys.stderr)
     specs = read_prompts(cfg.prompts)
     need_drafter = any(m in ("dflash", "adaflash") for m in cfg.modes)
     pair = load_pair(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, need_drafter=need_drafter)
     torch.manual_seed(cfg.seed)
     doc = run_bench(cfg, pair, specs, progress=progress, log=lambda m: print(m, file=sys.stderr))
-    write_json_atomic(out / RESULTS_NAME, doc)
-    plot_results(doc, out / PLOT_NAME)
     print(format_table(doc))
+    try:
+        write_json_atomic(out / RESULTS_NAME, doc)
+    except OSError as e:
+        # the measurements took long to make: hand them over rather than lose them
+        print(json.dumps(doc, indent=2))
+        raise CLIError(f"cannot write {out / RESULTS_NAME} ({e.strerror or e}); the results document is printed above") from None
+    try:
+        plot_results(doc, out / PLOT_NAME)
+    except OSError as e:
+        raise CLIError(f"wrote {out / RESULTS_NAME}, but cannot write {out / PLOT_NAME} ({e.strerror or e})") from None
     print(f"wrote {out / RESULTS_NAME} and {out / PLOT_NAME}")
     if not doc["equality"]["ok"]:
         print("!" * 72, file=sys.stderr)
@@ -389,7 +442,40 @@ def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = T
     return 0
 
 
+# the temp names fsio.atomic_path gives our outputs: "." + name + "." + 8 random chars + suffix
+_TEMP_PATTERNS = [re.compile(rf"^\.{re.escape(name)}\.[a-z0-9_]{{8}}{re.escape(suffix)}$")
+                  for name, suffix in ((RESULTS_NAME, ".tmp"), (PLOT_NAME, ".tmp.png"))]
+STALE_TEMP_S = 60.0
+
+
+def remove_stale_temps(out: Path, older_than_s: float = STALE_TEMP_S) -> list[Path]:
+    """Delete the temp files of our outputs that a killed run (SIGKILL, power loss) left behind.
+
+    Every temp lives only while its bytes are written and fsynced (the figure is rendered in
+    memory first), so one older than a minute belongs to no live writer; younger ones may be a
+    concurrent run's and are kept. Returns what was removed.
+    """
+    removed = []
+    now = time.time()
+    try:
+        entries = list(out.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        if not any(pat.match(p.name) for pat in _TEMP_PATTERNS):
+            continue
+        try:
+            if not p.is_file() or p.is_symlink() or now - p.stat().st_mtime < older_than_s:
+                continue
+            p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed
+
+
 def cmd_bench(args) -> int:
+    check_seed(args.seed)
     cfg = BenchConfig(
         target=args.target, drafter=args.drafter, prompts=list(args.prompts), concurrency=args.concurrency,
         modes=args.modes, max_new_tokens=args.max_new_tokens, mixed_lengths=args.mixed_lengths,

@@ -117,3 +117,9 @@ def test_committed_results_hold_no_absolute_path():
         if bad:
             found[str(path.relative_to(REPO))] = bad
     assert found == {}
+
+
+def test_a_seed_torch_cannot_take_exits_2(tiny_pair, workload, tmp_path, capsys):
+    assert _bench(tiny_pair, workload, tmp_path, "--seed", str(2**64)) == 2
+    err = capsys.readouterr().err
+    assert "--seed must be an integer in [0, 2**64)" in err and "Traceback" not in err

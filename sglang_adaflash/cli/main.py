@@ -43,9 +43,25 @@ def _mode_list(text: str) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
+def _model_dir(which: str):
+    """`embedded` names the pair bundled in the package, so an installed copy needs no path to it
+    (a local directory of that name is `./embedded`)."""
+
+    def convert(text: str) -> str:
+        if text == "embedded":
+            from ..assets import DRAFTER_DIR, TARGET_DIR
+
+            return str(TARGET_DIR if which == "target" else DRAFTER_DIR)
+        return text
+
+    return convert
+
+
 def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
-    p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face target model directory")
-    p.add_argument("--drafter", required=drafter_required, metavar="DIR", help="DFlash drafter checkpoint directory")
+    p.add_argument("--target", required=True, metavar="DIR", type=_model_dir("target"),
+                   help="Hugging Face target model directory, or `embedded` for the bundled target")
+    p.add_argument("--drafter", required=drafter_required, metavar="DIR", type=_model_dir("drafter"),
+                   help="DFlash drafter checkpoint directory, or `embedded` for the bundled drafter")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                    help="run target and drafter in this dtype (default: the target's own)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")

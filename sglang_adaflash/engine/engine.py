@@ -147,6 +147,25 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request between steps, freeing its slot for the next waiting one.
+
+        A server calls this when its client went away, a stop string matched or a timeout
+        passed: otherwise the request would hold a slot until max_new_tokens. Returns the
+        request's output so far with finish_reason 'abort', or None when no unfinished request
+        has this id. Not thread-safe: call it from the thread that calls step().
+        """
+        for seq in self.waiting:
+            if seq.req.request_id == request_id:
+                self.waiting.remove(seq)
+                return self._output(seq, "abort")
+        for seq in self.running:
+            if seq.req.request_id == request_id:
+                seq.finish = "abort"
+                # between steps only this request is finished, so retiring returns just it
+                return self._retire()[0]
+        return None
+
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefill), run one decode step, return the newly finished."""
@@ -391,10 +410,12 @@ class SpecEngine:
                 self.proposer.move(last, i, moved)
             self.running[i] = self.running[last]
             self.running.pop()
-            outs.append(
-                RequestOutput(seq.req.request_id, list(seq.req.prompt_ids), seq.output, seq.finish, seq.stats, None, seq.req.domain)
-            )
+            outs.append(self._output(seq, seq.finish))
         return outs
+
+    @staticmethod
+    def _output(seq: _Seq, finish: str) -> RequestOutput:
+        return RequestOutput(seq.req.request_id, list(seq.req.prompt_ids), seq.output, finish, seq.stats, None, seq.req.domain)
 
 
 def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str, max_batch_size: int, max_seq_len: int) -> int:

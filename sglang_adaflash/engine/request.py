@@ -71,7 +71,7 @@ class RequestOutput:
     request_id: str
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "abort" (SpecEngine.abort)
     stats: RequestStats
     error: str | None = None
     domain: str | None = None

@@ -1,0 +1,303 @@
+"""The distillation job end to end on a tiny pair: the operator's contract, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from sglang_adaflash.drafter.manifest import target_fingerprint
+from sglang_adaflash.drafter.store import (
+    latest_version,
+    list_versions,
+    publish_checkpoint,
+    verify_version,
+)
+from sglang_adaflash.serving.traffic import TrafficRecord, TrafficWriter
+from sglang_adaflash.testing.tiny_pair import build_tiny_pair
+from training_job import distill
+from training_job.opd.traffic import Ledger
+
+N_TRAFFIC, N_SGLANG = 14, 10
+
+
+def _sglang_line(rid, prompt, output, domain):
+    obj = {"timestamp": "2026-11-30T09:00:00", "event": "request.finished", "rid": rid,
+           "obj": {"rid": rid, "input_ids": prompt,
+                   "sampling_params": {"temperature": 0.0, "custom_params": {"domain": domain}}},
+           "out": {"output_ids": output, "meta_info": {}}}
+    return f"[2026-11-30 09:00:00] {json.dumps(obj)}\n"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A volume with v000001 (the tiny pair's drafter) and on-policy traffic in both formats."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("distill")
+    pair = build_tiny_pair(root / "pair", seed=0)
+    home = root / "home"
+    publish_checkpoint(home, pair.drafter_dir, target=target_fingerprint(pair.target_dir))
+    target = AutoModelForCausalLM.from_pretrained(pair.target_dir).eval()
+    rng = random.Random(0)
+    records = []
+    for i in range(N_TRAFFIC + N_SGLANG):
+        prompt = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(rng.randint(3, 8))]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                  pad_token_id=0)
+        records.append((prompt, gen[0, len(prompt):].tolist(), ("code", "math")[i % 2]))
+    with TrafficWriter(home, "pod-a", max_records=5) as w:
+        for i, (p, o, d) in enumerate(records[:N_TRAFFIC]):
+            w.write(TrafficRecord(id=f"r{i}", model="tiny", drafter_version="v000001",
+                                  prompt_ids=p, output_ids=o, sampling={"temperature": 0.0},
+                                  accept_lens=[1] * len(o), finish_reason="length", domain=d,
+                                  ts=1000.0 + i))
+    logdir = home / "traffic" / "pod-b"
+    logdir.mkdir(parents=True)
+    with open(logdir / "host_0.log", "w") as f:
+        for i, (p, o, d) in enumerate(records[N_TRAFFIC:]):
+            f.write(_sglang_line(f"s{i}", p, o, d))
+    return pair, home
+
+
+@pytest.fixture
+def vol(base, tmp_path):
+    pair, home = base
+    mine = tmp_path / "home"
+    shutil.copytree(home, mine)
+    return pair, mine
+
+
+def _argv(pair, home, report, *extra):
+    return ["--home", str(home), "--target", str(pair.target_dir), "--parent", "v000001",
+            "--min-records", "20", "--report", str(report), "--epochs", "2", "--batch-size", "4",
+            "--anchors-per-seq", "4", "--head-steps", "2", "--ckpt-every", "2",
+            "--eval-max-new-tokens", "6", "--min-eval-records", "4", "--max-eval-records", "4",
+            "--threads", "1", "--quiet", *extra]
+
+
+def _drafter_version_spec(report: dict) -> dict:
+    """What the operator makes of the report, checked against the CRD schema."""
+    import jsonschema
+    from adaflash_operator import crds, manifests
+    from adaflash_operator.distill import parse_report
+
+    parsed = parse_report(json.dumps(report))
+    owner = {"metadata": {"name": "svc", "namespace": "ns", "uid": "u"},
+             "apiVersion": "adaflash.io/v1alpha1", "kind": "AdaFlashService"}
+    dv = manifests.drafter_version(owner, parsed, "svc-distill-1-1")
+    schema = crds.openapi_schema("DrafterVersion")
+    schema["properties"]["metadata"] = {"type": "object"}
+    jsonschema.Draft4Validator(schema, format_checker=jsonschema.FormatChecker()).validate(dv)
+    return dv["spec"]
+
+
+def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, capsys):
+    pair, home = vol
+    report_path = tmp_path / "termination-log"
+    assert distill.main(_argv(pair, home, report_path)) == 0
+    data = report_path.read_bytes()
+    assert len(data) <= 4096
+    report = json.loads(data)
+    assert report["version"] == "v000002" and report["parent"] == "v000001"
+    assert report["training"]["algorithm"] == "opd-rkl"
+    assert report["training"]["records"] == 20 and report["training"]["steps"] == 10
+    assert report["training"]["finalLoss"] > 0
+    assert set(report["eval"]["tau"]) == set(report["eval"]["parentTau"]) <= {"code", "math"}
+    assert all(t >= 1.0 for t in report["eval"]["tau"].values())
+    spec = _drafter_version_spec(report)
+    assert spec["eval"]["tau"] == report["eval"]["tau"]
+    assert spec["target"]["name"] == str(pair.target_dir)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+
+    manifest = verify_version(home, "v000002")
+    assert latest_version(home) == "v000002" and manifest["parent"] == "v000001"
+    assert manifest["training"]["traffic"]["new"] == N_TRAFFIC + N_SGLANG
+    assert manifest["training"]["length_head"]["steps"] == 2
+    assert manifest["eval"]["records_by_domain"]
+    assert report["target"]["sha256"] == target_fingerprint(pair.target_dir)["config_digest"]
+    # the new version has the parent's shapes (hot reload refuses anything else)
+    from sglang_adaflash.drafter.checkpoint import read_checkpoint
+
+    _, old = read_checkpoint(home / "drafters" / "v000001")
+    _, new = read_checkpoint(home / "drafters" / "v000002")
+    assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in new.items()}
+    assert {v.dtype for v in new.values()} == {v.dtype for v in old.values()}
+    assert not torch.equal(old["fc.weight"], new["fc.weight"])
+    assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC + N_SGLANG
+    assert not (home / "distill" / "work").exists()
+    # eval.tau and eval.parentTau are the two versions' engine tau on the same held-out records
+    assert report["eval"] == _recomputed_eval(pair, home)
+
+    # Nothing new: the next round fails (no "nothing to do" outcome) and says why.
+    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 1
+    assert report_path.read_text().startswith("distill: only 0 new usable traffic records")
+    assert list_versions(home) == ["v000001", "v000002"]
+
+
+def _recomputed_eval(pair, home) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from sglang_adaflash.drafter.checkpoint import load_drafter
+    from sglang_adaflash.serving.traffic import ReadReport
+    from training_job.opd.evaluate import engine_tau, taus
+    from training_job.opd.traffic import scan_traffic, select_round
+
+    held = select_round(scan_traffic(home, ReadReport()), set(), max_records=4096,
+                        eval_fraction=0.1, min_eval=4, max_eval=4).eval
+    target = AutoModelForCausalLM.from_pretrained(pair.target_dir).eval()
+    out = {}
+    for key, v in (("tau", "v000002"), ("parentTau", "v000001")):
+        drafter = load_drafter(home / "drafters" / v, dtype=torch.float32)
+        out[key] = taus(engine_tau(target, drafter, held, max_new_tokens=6, max_prompt_len=1024,
+                                   stop_ids=(2, 6)))
+    return out
+
+
+def test_too_few_records_fails_without_consuming_them(vol, tmp_path):
+    pair, home = vol
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report, "--min-records", "25")) == 1
+    assert "only 24 new usable traffic records" in report.read_text()
+    assert Ledger(home / "distill" / "consumed.keys").load() == set()
+    assert list_versions(home) == ["v000001"]
+
+
+def test_failed_round_resumes_without_training_again(vol, tmp_path, monkeypatch):
+    pair, home = vol
+    report = tmp_path / "report"
+    real_publish = distill.publish
+
+    def broken(*a, **k):
+        raise OSError("volume went away")
+
+    monkeypatch.setattr(distill, "publish", broken)
+    assert distill.main(_argv(pair, home, report)) == 1
+    assert "OSError: volume went away" in report.read_text()
+    work = home / "distill" / "work"
+    steps_logged = len((work / "log.jsonl").read_text().splitlines())
+    assert steps_logged == 10 and (work / "eval.json").exists()
+
+    monkeypatch.setattr(distill, "publish", real_publish)
+    import training_job.opd.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "engine_tau", lambda *a, **k: pytest.fail("evaluated again"))
+    real_finish = distill.finish
+    seen = {}
+
+    def spy(home_, work_, version, args):
+        seen["steps"] = len((work_ / "log.jsonl").read_text().splitlines())
+        return real_finish(home_, work_, version, args)
+
+    monkeypatch.setattr(distill, "finish", spy)
+    assert distill.main(_argv(pair, home, report)) == 0
+    assert seen["steps"] == steps_logged  # resumed from the final checkpoint: no step again
+    assert json.loads(report.read_text())["version"] == "v000002"
+
+
+def test_crash_after_publishing_reports_the_same_version(vol, tmp_path, monkeypatch):
+    pair, home = vol
+    report = tmp_path / "report"
+    real = distill._write_json
+
+    def crash(path, obj):
+        if path.name == "published.json":
+            raise OSError("killed")
+        real(path, obj)
+
+    monkeypatch.setattr(distill, "_write_json", crash)
+    assert distill.main(_argv(pair, home, report)) == 1
+    assert list_versions(home) == ["v000001", "v000002"]
+    assert Ledger(home / "distill" / "consumed.keys").load() == set()
+    monkeypatch.setattr(distill, "_write_json", real)
+    assert distill.main(_argv(pair, home, report)) == 0
+    assert list_versions(home) == ["v000001", "v000002"]  # not published twice
+    assert json.loads(report.read_text())["version"] == "v000002"
+    assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC + N_SGLANG
+
+
+def test_changed_settings_start_the_round_over(vol, tmp_path, monkeypatch):
+    pair, home = vol
+    report = tmp_path / "report"
+    monkeypatch.setattr(distill, "publish", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    assert distill.main(_argv(pair, home, report)) == 1
+    first = json.loads((home / "distill" / "work" / "round.json").read_text())["id"]
+    assert distill.main(_argv(pair, home, report, "--lr", "1e-4")) == 1
+    second = json.loads((home / "distill" / "work" / "round.json").read_text())["id"]
+    assert first != second
+
+
+def test_one_job_per_volume(vol, tmp_path):
+    pair, home = vol
+    report = tmp_path / "report"
+    with distill.volume_lock(home / "distill"):
+        assert distill.main(_argv(pair, home, report)) == 1
+    assert "another distillation job holds" in report.read_text()
+
+
+def test_parent_for_another_target_is_refused(vol, tmp_path):
+    pair, home = vol
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 1}')
+    publish_checkpoint(home, pair.drafter_dir, target=target_fingerprint(other))  # v000002
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report, "--parent", "v000002")) == 1
+    assert "parent v000002: this drafter (v000002) was built for target 'other'" in \
+        report.read_text()
+    assert distill.main(_argv(pair, home, report, "--parent", "v000009")) == 1
+    assert "v000009 is not published" in report.read_text()
+
+
+def test_tau_is_the_candidates_and_parent_tau_the_parents(vol, tmp_path, monkeypatch):
+    """The evaluation is wired to the right drafters: a stand-in engine returns a number that
+    identifies the weights it was given."""
+    import training_job.opd.evaluate as evaluate
+    from sglang_adaflash.drafter.checkpoint import read_checkpoint
+
+    def mark(state):
+        return round(1.0 + float(state["fc.weight"].double().sum()) * 1000 % 7, 4)
+
+    def fake(target, drafter, samples, **kw):
+        return {"code": {"tau": mark(drafter.state_dict()), "steps": 1, "tokens": 1,
+                         "requests": len(samples)}}
+
+    monkeypatch.setattr(evaluate, "engine_tau", fake)
+    pair, home = vol
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report, "--lr", "1e-2")) == 0
+    ev = json.loads(report.read_text())["eval"]
+    assert ev["tau"] == {"code": mark(read_checkpoint(home / "drafters" / "v000002")[1])}
+    assert ev["parentTau"] == {"code": mark(read_checkpoint(home / "drafters" / "v000001")[1])}
+    assert ev["tau"] != ev["parentTau"]
+
+
+def test_the_operators_command_line_parses_and_the_module_runs(tmp_path):
+    """The Job's args exactly as the operator builds them, and `python -m training_job.distill`
+    as the container runs it (it fails here: the volume is empty, and says so in the report)."""
+    import subprocess
+    import sys
+
+    from adaflash_operator import manifests
+    from adaflash_operator.spec import parse
+
+    spec = parse({"model": {"target": "Qwen/Qwen3-8B"}, "serving": {"image": "img"},
+                  "distillation": {"minNewRecords": 256,
+                                   "extraArgs": ["--algorithm", "osd", "--epochs", "3"]}})
+    args = distill.build_parser().parse_args(manifests.distill_args(spec, "v000004"))
+    assert (args.home, args.target, args.parent, args.min_records, args.report) == (
+        "/var/lib/adaflash", "Qwen/Qwen3-8B", "v000004", 256, "/dev/termination-log")
+    assert (args.algorithm, args.epochs) == ("osd", 3)
+    report = tmp_path / "report"
+    target = tmp_path / "no-such-target"
+    r = subprocess.run([sys.executable, "-m", "training_job.distill", "--home", str(tmp_path),
+                        "--target", str(target), "--parent", "v000001", "--min-records", "1",
+                        "--report", str(report)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert report.read_text() == f"distill: target directory {target} does not exist"

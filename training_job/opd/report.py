@@ -1,0 +1,99 @@
+"""The Job report the operator reads from the termination message, built from the manifest.
+
+The manifest (the volume's record) and the report (the operator's) spell the same facts
+differently (docs/contracts.md, "Distillation job"): ``training.final_loss`` becomes
+``training.finalLoss``, ``eval.tau_by_domain`` becomes ``eval.tau``, the target's
+``config_digest`` becomes ``target.sha256``. The report must fit the termination message
+(4096 bytes) and the DrafterVersion schema, whose ``training`` and ``eval`` objects know only a
+few keys, so only those are sent; the manifest keeps the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from sglang_adaflash.fsio import atomic_path
+
+#: Kubernetes' limit on a termination message.
+MAX_REPORT_BYTES = 4096
+
+
+def build_report(manifest: dict[str, Any], *, target_name: str) -> dict[str, Any]:
+    training = manifest.get("training") or {}
+    ev = manifest.get("eval") or {}
+    target = manifest.get("target") or {}
+    report: dict[str, Any] = {"version": manifest["version"]}
+    if manifest.get("parent"):
+        report["parent"] = manifest["parent"]
+    if manifest.get("created"):
+        report["created"] = manifest["created"]
+    sha = target.get("config_digest") or target.get("config_sha256")
+    report["target"] = {"name": target_name, **({"sha256": sha} if sha else {})}
+    t: dict[str, Any] = {}
+    if training.get("algorithm"):
+        t["algorithm"] = str(training["algorithm"])
+    for key in ("records", "steps"):
+        if isinstance(training.get(key), int) and training[key] >= 0:
+            t[key] = training[key]
+    loss = training.get("final_loss")
+    if isinstance(loss, (int, float)) and math.isfinite(loss):
+        t["finalLoss"] = round(float(loss), 6)
+    if t:
+        report["training"] = t
+    e: dict[str, Any] = {}
+    for src, dst in (("tau_by_domain", "tau"), ("parent_tau_by_domain", "parentTau")):
+        m = ev.get(src) or {}
+        m = {str(k): round(float(v), 4) for k, v in m.items()
+             if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
+        if m:
+            e[dst] = m
+    if e:
+        report["eval"] = e
+    return report
+
+
+def encode_report(report: dict[str, Any], weight: dict[str, int] | None = None,
+                  limit: int = MAX_REPORT_BYTES) -> bytes:
+    """Compact JSON of at most ``limit`` bytes.
+
+    With too many domains, the ones with the least held-out weight are dropped from both tau
+    maps (together, so the gate still compares like with like) until it fits.
+    """
+    report = json.loads(json.dumps(report))
+    data = json.dumps(report, separators=(",", ":")).encode()
+    ev = report.get("eval") or {}
+    domains = sorted(set(ev.get("tau") or {}) | set(ev.get("parentTau") or {}),
+                     key=lambda d: ((weight or {}).get(d, 0), d))
+    while len(data) > limit and domains:
+        drop = domains.pop(0)
+        for key in ("tau", "parentTau"):
+            (ev.get(key) or {}).pop(drop, None)
+        data = json.dumps(report, separators=(",", ":")).encode()
+    if len(data) > limit:
+        report = {k: report[k] for k in ("version", "parent") if k in report}
+        data = json.dumps(report, separators=(",", ":")).encode()
+    return data
+
+
+def write_report(path: str | os.PathLike, data: bytes) -> None:
+    """Write the report; atomically where the path allows it.
+
+    `/dev/termination-log` is a file the kubelet bind-mounts: nothing can be renamed onto it
+    (and the root filesystem is read-only), but it is read only after the container exits, so
+    a plain write is enough there.
+    """
+    path = Path(path)
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(data)
+        return
+    except OSError:
+        pass
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -559,6 +559,9 @@ def run(args) -> int:
     from training_job.opd.report import write_report
     from training_job.opd.train import Parallel
 
+    if not math.isfinite(args.eval_fraction) or not 0 <= args.eval_fraction < 1:
+        print("distill: error: --eval-fraction must lie in [0, 1)", file=sys.stderr)
+        return 2
     _init_distributed()
     par = Parallel.current()
     try:
@@ -583,11 +586,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not math.isfinite(args.eval_fraction) or not 0 <= args.eval_fraction < 1:
-        print("distill: error: --eval-fraction must lie in [0, 1)", file=sys.stderr)
-        return 2
-    return run(args)
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -250,10 +250,21 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
     if work.exists():
         shutil.rmtree(work)
     report = ReadReport()
-    consumed = Ledger(home / "distill" / LEDGER_NAME).load()
-    sel = select_round(scan_traffic(home, report), consumed, max_records=args.max_records,
+    ledger = Ledger(home / "distill" / LEDGER_NAME)
+    consumed = ledger.load()
+    present: set[str] = set()
+
+    def seen(samples):
+        for s in samples:
+            present.add(s.key)
+            yield s
+
+    sel = select_round(seen(scan_traffic(home, report)), consumed, max_records=args.max_records,
                        eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
                        max_eval=args.max_eval_records)
+    dropped = ledger.retain(present)
+    if dropped:
+        _log(f"forgot {dropped} consumed keys whose records are no longer on the volume")
     _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
          f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
     if sel.usable < args.min_records:

@@ -139,6 +139,10 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 1
     assert report_path.read_text().startswith("distill: only 0 new usable traffic records")
     assert list_versions(home) == ["v000001", "v000002"]
+    # Traffic the retention CronJob deleted leaves the ledger at the next round.
+    shutil.rmtree(home / "traffic" / "pod-b")
+    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 1
+    assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC
 
 
 def _recomputed_eval(pair, home) -> dict:

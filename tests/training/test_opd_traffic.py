@@ -118,3 +118,11 @@ def test_ledger_adds_atomically_and_only_new_keys(tmp_path):
     assert ledger.add(["a", "c"]) == 1
     assert ledger.load() == {"a", "b", "c"}
     assert [p.name for p in ledger.path.parent.iterdir()] == ["consumed.keys"]
+
+
+def test_ledger_forgets_keys_of_deleted_records(tmp_path):
+    ledger = Ledger(tmp_path / "consumed.keys")
+    ledger.add(["a", "b", "c"])
+    assert ledger.retain({"b", "c", "z"}) == 1
+    assert ledger.load() == {"b", "c"}
+    assert ledger.retain({"b", "c"}) == 0

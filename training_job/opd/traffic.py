@@ -218,6 +218,15 @@ class Ledger:
             return set()
         return {line.strip() for line in text.splitlines() if line.strip()}
 
+    def retain(self, present: set[str]) -> int:
+        """Forget keys whose records are gone from the volume (the retention CronJob deletes old
+        traffic), so the ledger stays the size of the traffic. Returns how many were dropped."""
+        have = self.load()
+        keep = have & present
+        if len(keep) < len(have):
+            write_text_atomic(self.path, "".join(k + "\n" for k in sorted(keep)))
+        return len(have) - len(keep)
+
     def add(self, keys: Iterable[str]) -> int:
         """Adds keys; returns how many were new."""
         have = self.load()

@@ -25,6 +25,7 @@ from ..engine.request import Request, RequestOutput, RequestStats
 from ..engine.sampling import RequestError, SamplingParams
 from .loading import LoadedPair, load_pair
 from .prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids, unicode_problem
+from .traffic_sink import open_sink
 
 
 @dataclass
@@ -271,10 +272,13 @@ def cmd_generate(args) -> int:
                          num_requests=len(prep.requests))
     show = not args.quiet and len(specs) > 1
     printer = RecordPrinter(as_json=args.json)
+    sink = open_sink(args, args.mode)  # --traffic-dir: what was served, for adaflash distill
     try:
         with tqdm(total=len(specs), desc=f"generate [{args.mode}]", unit="req", disable=not show, file=sys.stderr) as bar:
             for i, out in iter_prepared(engine, prep, progress=bar):
                 printer.emit(output_record(i, specs[i], out, pair.tokenizer))
+                if sink is not None and i in prep.requests:
+                    sink.write(out, prep.requests[i].sampling, pair.tokenizer, request_id=specs[i].id)
     except KeyboardInterrupt:
         print(f"adaflash generate: interrupted: {len(specs) - printer.printed} of {len(specs)} request(s) unfinished; "
               f"the {printer.printed} finished are printed above", file=sys.stderr)
@@ -283,6 +287,9 @@ def cmd_generate(args) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush is quiet too
         print(f"adaflash generate: stdout was closed after {printer.printed} record(s); stopped", file=sys.stderr)
         return 141
+    finally:
+        if sink is not None:
+            sink.close()
     if printer.failed:
         print(f"adaflash: {printer.failed} of {len(specs)} request(s) failed", file=sys.stderr)
     return 1 if printer.failed else 0

@@ -73,7 +73,7 @@ def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="AdaFlash reference engine: generate, benchmark, demo.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo,distill,drafters}")
 
     g = sub.add_parser("generate", help="generate with the reference engine",
                        description="Generate with the reference engine (continuous batching, lossless speculative decoding).")
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (default 32)")
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--traffic-dir", metavar="DIR",
+                   help="also write each finished request as a traffic record into DIR, which must be "
+                        "HOME/traffic/<writer>; `adaflash distill --home HOME` learns from it")
 
     b = sub.add_parser("bench", help="throughput benchmark against HF generate()",
                        description="Throughput of each mode at each concurrency, with speculation statistics.")
@@ -126,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true")
+    from .distill import add_parser as add_distill_parser
+    from .drafters import add_parser as add_drafters_parser
+
+    add_distill_parser(sub)
+    add_drafters_parser(sub)
     return parser
 
 
@@ -141,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             from ..bench.runner import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "distill":
+            from .distill import cmd_distill
+
+            return cmd_distill(args)
+        if args.command == "drafters":
+            from .drafters import cmd_drafters
+
+            return cmd_drafters(args)
         from ..bench.runner import cmd_demo
 
         return cmd_demo(args)

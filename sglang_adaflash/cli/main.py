@@ -1,4 +1,4 @@
-"""The `adaflash` command line: generate, bench, demo.
+"""The `adaflash` command line: generate, bench, demo, serve.
 
 Exit codes: 0 success; 1 some requests failed (generate) or outputs differed from plain decoding
 under --strict (bench); 2 bad arguments or inputs (one-line message, no traceback).
@@ -73,7 +73,7 @@ def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="AdaFlash reference engine: generate, benchmark, demo.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo,distill,drafters}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo,serve,distill,drafters}")
 
     g = sub.add_parser("generate", help="generate with the reference engine",
                        description="Generate with the reference engine (continuous batching, lossless speculative decoding).")
@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true")
+
+    from ..server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _model_dir)
     from .distill import add_parser as add_distill_parser
     from .drafters import add_parser as add_drafters_parser
 
@@ -149,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             from ..bench.runner import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "serve":
+            from ..server.cli import cmd_serve
+
+            return cmd_serve(args)
         if args.command == "distill":
             from .distill import cmd_distill
 

@@ -1,0 +1,165 @@
+"""Hot reload in `adaflash serve`: a new drafters/latest is swapped in under load without losing a
+request or changing a T=0 output; a bad version is refused while serving goes on; the admin call
+moves the server; the admin call is closed to the network without a token."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from sglang_adaflash.drafter.checkpoint import read_config
+from sglang_adaflash.drafter.manifest import target_fingerprint
+from sglang_adaflash.drafter.store import publish_version
+from sglang_adaflash.testing.fixtures import random_state
+
+from .conftest import publish_pair_drafter, traffic_records
+
+MODEL = "tiny"
+PROMPTS = ["reload one", "reload two two", "three is a prime", "def f(x): return x"]
+ROUTE = "/adaflash/v1/drafter"
+
+
+def _publish_random(home, pair, seed: int) -> str:
+    cfg = read_config(pair.drafter_dir)
+    state = {k: v.to(torch.float64) for k, v in random_state(cfg, seed).items()}
+    return publish_version(home, cfg, state, target=target_fingerprint(pair.target_dir))
+
+
+class Load:
+    """Clients that keep sending the same T=0 requests (half streamed) until told to stop."""
+
+    def __init__(self, server, clients: int = 6, max_requests: int = 400):
+        self.server = server
+        self.results: list[tuple[str, str, str]] = []  # (prompt, text, system_fingerprint)
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self._budget = iter(range(max_requests))  # bounds every loop
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        client = self.server.openai(timeout=30)
+        n = i
+        while not self.stop.is_set():
+            with self._lock:
+                if next(self._budget, None) is None:
+                    return
+            prompt = PROMPTS[n % len(PROMPTS)]
+            try:
+                if n % 2:
+                    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                            temperature=0, stream=True))
+                    text, fp = "".join(c.choices[0].text for c in chunks), chunks[-1].system_fingerprint
+                else:
+                    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+                    text, fp = out.choices[0].text, out.system_fingerprint
+                with self._lock:
+                    self.results.append((prompt, text, fp))
+            except Exception as e:  # every failure is a lost request
+                with self._lock:
+                    self.errors.append(e)
+            n += 1
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.results) + len(self.errors)
+
+
+def test_hot_reload_under_load_loses_no_request_and_changes_no_t0_output(pair, tmp_path, live_server):
+    home = tmp_path / "home"
+    v1 = publish_pair_drafter(home, pair)
+    server = live_server(["--target", str(pair.target_dir), "--home", str(home), "--model-name", MODEL,
+                          "--traffic-writer", "reload", "--reload-poll-s", "0.1", "--max-batch-size", "8"])
+    status = lambda: server.get(ROUTE).json()  # noqa: E731
+    assert status()["loaded_version"] == v1
+    client = server.openai()
+    reference = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                 for p in PROMPTS}
+
+    with Load(server) as load:
+        server.wait_for(lambda: load.count() >= 12, what="load before the reload")
+        v2 = _publish_random(home, pair, seed=7)
+        server.wait_for(lambda: status()["loaded_version"] == v2, what=f"{v2} to be loaded")
+        seen = load.count()
+        server.wait_for(lambda: load.count() >= seen + 12, what="load after the reload")
+
+        v3 = _publish_random(home, pair, seed=8)
+        weights = home / "drafters" / v3 / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-8:] = b"\x00" * 8
+        weights.write_bytes(bytes(data))  # the manifest's hash no longer matches
+        refused = server.wait_for(lambda: (lambda s: s if s.get("last_error_version") == v3 else None)(status()),
+                                  what=f"{v3} to be refused")
+        seen = load.count()
+        server.wait_for(lambda: load.count() >= seen + 12, what="load after the refusal")
+
+    assert not load.errors, load.errors[:3]
+    assert {fp for _, _, fp in load.results} >= {v1, v2}
+    assert all(text == reference[prompt] for prompt, text, _ in load.results)
+    assert refused["loaded_version"] == v2 and "sha256" in refused["last_error"]
+    assert refused["reloads"] == {"success": 1, "rejected": 1}
+    versions = {r["drafter_version"] for r in traffic_records(home)}
+    assert {v1, v2} <= versions and v3 not in versions
+    swaps = server.server.loop.swaps
+    assert [v for v, _ in swaps] == [v2]
+    metrics = server.get("/metrics").text
+    assert 'adaflash_drafter_reloads_total{result="success"} 1.0' in metrics
+    assert 'adaflash_drafter_reloads_total{result="rejected"} 1.0' in metrics
+    assert f'adaflash_drafter_info{{version="{v2}"}} 1.0' in metrics
+
+    # The admin call (open on a loopback-only server) moves it back to v1; outputs stay put.
+    r = httpx.post(server.url + ROUTE, json={"version": v1}, timeout=10)
+    assert r.status_code == 202 and r.json()["override"] == v1
+    server.wait_for(lambda: status()["loaded_version"] == v1, what="the admin override")
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert out.choices[0].text == reference[PROMPTS[0]] and out.system_fingerprint == v1
+
+
+def test_a_pinned_version_is_served_and_latest_is_not_followed(pair, tmp_path, live_server):
+    home = tmp_path / "home"
+    v1 = publish_pair_drafter(home, pair)
+    server = live_server(["--target", str(pair.target_dir), "--home", str(home), "--drafter-version", v1,
+                          "--model-name", MODEL, "--no-traffic", "--reload-poll-s", "0.1"])
+    _publish_random(home, pair, seed=9)
+    time.sleep(0.5)  # five polls
+    assert server.get(ROUTE).json()["loaded_version"] == v1
+    status = server.server.reloader.status  # desired_* reach the status file only with a change
+    assert (status.desired_version, status.desired_from) == (v1, "--drafter-version")
+
+
+@pytest.mark.parametrize("host, token, auth, status", [
+    ("0.0.0.0", None, None, 403),  # reachable from the network, no token: closed
+    ("0.0.0.0", "s3cret", None, 401),
+    ("0.0.0.0", "s3cret", "Bearer s3cret", 202),
+    ("127.0.0.1", None, None, 202),  # loopback only: open, as in a local test
+    ("::1", None, None, 202),
+])
+def test_the_admin_call_needs_a_token_unless_the_server_is_loopback_only(tmp_path, host, token, auth, status):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from sglang_adaflash.server.reload import mount_admin, reload_env
+
+    home = tmp_path / "home"
+    (home / "drafters" / "v000001").mkdir(parents=True)
+    env = reload_env(home, follow_latest=False, base={} if token is None else {"ADAFLASH_ADMIN_TOKEN": token})
+    app = FastAPI()
+    mount_admin(app, env, host)
+    headers = {"authorization": auth} if auth else {}
+    r = TestClient(app).post(ROUTE, json={"version": "v000001"}, headers=headers)
+    assert r.status_code == status, r.text
+    assert TestClient(app).get(ROUTE).status_code == 200  # reading the status stays open

@@ -20,10 +20,9 @@ at it: one bad line on a shared volume must not cost every later record of that 
 skipped, and where, is counted in a :class:`ReadReport` and logged, so loss is visible rather
 than silent.
 
-Who writes these shards: nothing in production yet. SGLang pods log traffic with SGLang's own
-request log instead (docs/sglang.md); an embedded server that writes through
-:class:`TrafficWriter` and a distillation job that reads through :func:`iter_records` are
-planned, and this module fixes the format they will share.
+Who writes these shards: `adaflash serve`, one writer per server (sglang_adaflash/server/records.py).
+SGLang pods log traffic with SGLang's own request log instead (docs/sglang.md). Readers go through
+:func:`iter_records`; this module fixes the format both sides share.
 """
 
 from __future__ import annotations

@@ -139,13 +139,50 @@ def build_layout(plan: VerifyPlan, *, device, model_runner=None):
     )
 
 
-def scatter_to_strided(compact: torch.Tensor, layout, block_size: int) -> torch.Tensor:
-    """Packed rows [T_graph, D] -> [bs*B, D]; unverified slots are zero (never committed)."""
-    from sglang.kernels.ops.speculative.dspark.dspark_verify_window import (
-        ScatterCompactToStrided,
-    )
+class ScatterBuffer:
+    """A reusable output of the scatter-back, so a step does not allocate a fresh
+    ``[bs*B, vocab]`` logits tensor; it grows to the largest batch seen, never shrinks."""
 
-    return ScatterCompactToStrided.execute(
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buf
+        if (
+            buf is None
+            or buf.shape[0] < n
+            or buf.shape[1:] != like.shape[1:]
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = self._buf = torch.empty((n, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return buf[:n]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self._buf
+
+
+def scatter_to_strided(
+    compact: torch.Tensor, layout, block_size: int, out: ScatterBuffer | None = None
+) -> torch.Tensor:
+    """Packed rows [T_graph, D] -> [bs*B, D]; unverified slots are zero (never committed).
+
+    With ``out``, SGLang's Triton path writes into that buffer; its torch reference path (CPU
+    inputs, as SGLang dispatches) allocates as it always does.
+    """
+    from sglang.kernels.ops.speculative.dspark import dspark_verify_window as W
+
+    if out is not None and W.inputs_on_cuda(compact):
+        rows = out.rows(layout.verify_lens.shape[0] * block_size, compact)
+        return W.scatter_compact_to_strided_into(
+            compact=compact,
+            verify_lens=layout.verify_lens.to(device=compact.device),
+            out=rows,
+            stride=block_size,
+            fill_value=0.0,
+        )
+    return W.ScatterCompactToStrided.execute(
         compact=compact, layout=layout, fill_value=0.0, verify_num_draft_tokens=block_size
     )
 

@@ -34,8 +34,16 @@ def register() -> None:
     from sglang.srt.speculative.spec_registry import get_spec
 
     from .server_args import validate_server_args
-    from .spec import NAME, AdaFlashSpecAlgo
+    from .spec import NAME, AdaFlashSpecAlgo, unmapped_predicates
 
+    unmapped = unmapped_predicates()
+    if unmapped:
+        raise RuntimeError(
+            f"sglang-adaflash does not know how {NAME} must answer SpeculativeAlgorithm."
+            f"{', '.join(unmapped)} of this SGLang (it supports sglang==0.5.23); install "
+            "sglang==0.5.23, or a sglang-adaflash release that maps them in "
+            "sglang_plugin/spec.py"
+        )
     with _lock:
         existing = get_spec(NAME)
         if existing is not None:

@@ -46,6 +46,14 @@ NO_RAGGED_VERIFY = {
 }
 
 
+#: SGLang 0.5.23's automatic backend choice gives trtllm_mha on SM100 only to algorithms it
+#: recognises by name (DFLASH among them), so ADAFLASH gets flashinfer there.
+BLACKWELL_HINT = (
+    " (on Blackwell GPUs SGLang picks flashinfer for ADAFLASH when no backend is given, where it "
+    "picks trtllm_mha for DFLASH: pass --attention-backend trtllm_mha)"
+)
+
+
 def verify_attention_backend(cfg) -> str | None:
     """The backend that runs TARGET_VERIFY: the decode backend when speculative_attention_mode
     is 'decode', else the prefill backend (HybridAttnBackend's routing); None = auto."""
@@ -70,6 +78,7 @@ def compact_blockers(cfg) -> list[str]:
         reasons.append(
             f"attention backend {backend!r} {why}; use one of "
             f"{', '.join(sorted(RAGGED_VERIFY_BACKENDS))}"
+            + (BLACKWELL_HINT if backend == "flashinfer" else "")
         )
     if getattr(cfg, "enable_two_batch_overlap", False):
         reasons.append("--enable-two-batch-overlap is on (compact verify graphs refuse it)")

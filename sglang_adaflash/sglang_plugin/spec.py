@@ -91,14 +91,27 @@ class AdaFlashSpecAlgo(CustomSpecAlgo):
 
         handle_server_args(server_args)
 
-    def __getattr__(self, name: str):
-        # Anything SGLang adds to SpeculativeAlgorithm after 0.5.23 (and that CustomSpecAlgo
-        # lacks) answers as DFLASH rather than raising AttributeError mid-start-up.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(SpeculativeAlgorithm.DFLASH, name)
-
 
 for _name in (*DFLASH_PARITY, *DFLASH_DELEGATED):
     setattr(AdaFlashSpecAlgo, _name, _delegate(_name))
 del _name
+
+#: Predicates ADAFLASH answers itself (methods of AdaFlashSpecAlgo above).
+OWN_ANSWERS = frozenset({"supports_ragged_verify"})
+PREDICATE_PREFIXES = ("is_", "supports_", "has_", "need_", "carries_")
+
+
+def unmapped_predicates() -> list[str]:
+    """Predicates of this SGLang's SpeculativeAlgorithm that ADAFLASH has no decided answer for.
+
+    A newer SGLang may add one; answering it as DFLASH (or as CustomSpecAlgo's generic default)
+    without a decision could be silently wrong, so registration refuses instead.
+    """
+    return sorted(
+        name
+        for name in vars(SpeculativeAlgorithm)
+        if name.startswith(PREDICATE_PREFIXES)
+        and callable(getattr(SpeculativeAlgorithm, name, None))
+        and name not in DFLASH_PARITY
+        and name not in OWN_ANSWERS
+    )

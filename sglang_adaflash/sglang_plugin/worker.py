@@ -24,8 +24,10 @@ verify lengths of each step are also returned as ``cap_lens``, which feeds SGLan
 annotations current (loaded version, load error, live acceptance tau, traffic record count; see
 ``sglang_adaflash.serving.pod_status``).
 
-None of this can run without CUDA; the pure parts are tested on CPU (``length_budget``,
-``runtime``, ``serving``) and the whole worker by ``python -m sglang_adaflash.sglang_plugin.e2e``.
+In production this runs on CUDA only. The tests run the whole worker on CPU inside SGLang's own
+scheduler, with CUDA-only kernels swapped at their lowest seam and SGLang's Triton kernels
+interpreted (``tests/sglang_plugin/cpu_sglang.py``); ``scripts/sglang_gpu_check.py`` checks it
+on a GPU.
 """
 
 from __future__ import annotations
@@ -91,12 +93,47 @@ class _RunnerTap:
         return getattr(self._runner, name)
 
 
+class _NoMetadataBackend:
+    """The target's attention backend, minus metadata planning (see _FullWidthPrepRunner)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+class _FullWidthPrepRunner:
+    """The target's model runner as DFlash's full-width verify preparation sees it in compact
+    mode. That batch is never run (the compact one replaces it), so loading it into a CUDA graph
+    or planning its attention metadata would be work thrown away every step."""
+
+    decode_cuda_graph_runner = None
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    @property
+    def attn_backend(self):
+        return _NoMetadataBackend(self._runner.attn_backend)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
 class _CompactVerifyTarget:
     """Forwards everything to the target worker, except that verify forwards run compact."""
 
     def __init__(self, real, worker: AdaFlashWorkerV2):
         self._real = real
         self._worker = worker
+
+    @property
+    def model_runner(self):
+        return _FullWidthPrepRunner(self._real.model_runner)
 
     def forward_batch_generation(self, *args, **kwargs):
         forward_batch = kwargs.get("forward_batch")
@@ -129,7 +166,6 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         self._ada_mode = resolved_verify_mode() or VERIFY_FIXED
         self._ada_ckpt = local_checkpoint_dir(server_args.speculative_draft_model_path)
         self._ada_planner = self._build_planner()
-        self._ada_check_backend()
         sink = self._build_sink()
         self._ada_sink = sink
         self._ada_stats = StepStatsQueue(sink)
@@ -176,6 +212,13 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             cost=cost,
             rule=opts.length_rule,
         )
+
+    def init_attention_backends(self):
+        # SGLang builds this worker before any attention backend exists (the scheduler calls
+        # init_all_attention_backends afterwards, target first), so the live backend can only
+        # be checked here.
+        super().init_attention_backends()
+        self._ada_check_backend()
 
     def _ada_check_backend(self) -> None:
         """Compact mode was decided from the arguments; confirm it with the live backend."""
@@ -399,10 +442,13 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         layout = lb.build_layout(plan, device=self.device, model_runner=real_target.model_runner)
         full_input = full_forward_batch.spec_info
         draft_tokens = full_input.draft_token.view(bs, block)  # [bs, B], slot 0 = anchor
+        gamma = block - 1
         window = BuildRaggedVerifyWindow.execute(
             batch=batch,
             layout=layout,
-            draft_block_ids=draft_tokens,
+            # Both views must be gamma wide: the Triton path reads request i's anchor at
+            # i * gamma of the (made contiguous) block ids, the torch path reads column 0.
+            draft_block_ids=draft_tokens[:, :gamma],
             draft_tokens=draft_tokens[:, 1:],
             bs=bs,
             device=self.device,
@@ -448,13 +494,21 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         out = real_target.forward_batch_generation(**kwargs)
         logits_output = out.logits_output
         logits_output.next_token_logits = lb.scatter_to_strided(
-            logits_output.next_token_logits, layout, block
+            logits_output.next_token_logits, layout, block, out=self._ada_scatter_out("logits")
         )
         if logits_output.hidden_states is not None:
             logits_output.hidden_states = lb.scatter_to_strided(
-                logits_output.hidden_states, layout, block
+                logits_output.hidden_states, layout, block, out=self._ada_scatter_out("hidden")
             )
         return out
+
+    def _ada_scatter_out(self, kind: str) -> lb.ScatterBuffer:
+        """One buffer per kind is enough: every reader of a step's strided logits and hidden
+        states runs inside that step, on the forward stream (the scheduler only drops them)."""
+        buffers = self.__dict__.setdefault("_ada_scatter_buffers", {})
+        if kind not in buffers:
+            buffers[kind] = lb.ScatterBuffer()
+        return buffers[kind]
 
     # -- host-side hooks SGLang calls ----------------------------------------------------------
 

@@ -139,10 +139,13 @@ def test_backend_without_ragged_verify_falls_back_in_auto(
     assert os.environ["ADAFLASH_RESOLVED_VERIFY_MODE"] == "fixed"
     assert "SGLANG_RAGGED_VERIFY_MODE" not in os.environ
     # SGLang configures its own log handler on stderr, so read the stream, not caplog.
+    err = capfd.readouterr().err
     assert (
         f"falling back to fixed-length DFlash verification because attention backend '{backend}'"
-        in capfd.readouterr().err
+        in err
     )
+    # SGLang's automatic choice gives ADAFLASH flashinfer on Blackwell; the message says so
+    assert ("--attention-backend trtllm_mha" in err) == (backend == "flashinfer")
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])

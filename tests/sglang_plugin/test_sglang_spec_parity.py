@@ -14,13 +14,16 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang_adaflash.sglang_plugin.spec import (  # noqa: E402
     DFLASH_DELEGATED,
     DFLASH_PARITY,
+    OWN_ANSWERS,
+    PREDICATE_PREFIXES,
     RESOLVED_MODE_ENV,
     AdaFlashSpecAlgo,
+    unmapped_predicates,
 )
 
-PREFIXES = ("is_", "supports_", "has_", "need_", "carries_")
+PREFIXES = PREDICATE_PREFIXES
 #: Deliberate differences, with the test that covers each.
-EXCEPTIONS = {"supports_ragged_verify"}
+EXCEPTIONS = set(OWN_ANSWERS)
 
 
 def _predicates():
@@ -84,11 +87,23 @@ def test_delegated_non_predicates(algo):
     assert algo.get_platform_worker_cls() is None
 
 
-def test_unknown_future_method_answers_as_dflash(algo, monkeypatch):
+def test_a_predicate_without_a_decided_answer_stops_registration(algo, monkeypatch, sglang_registry):
+    """A newer SGLang's new predicate must not be answered silently (as DFLASH, or as
+    CustomSpecAlgo's generic default): ADAFLASH refuses to register until it is mapped."""
+    from sglang_adaflash.sglang_plugin import register
+
+    sglang_registry.pop("ADAFLASH", None)
     monkeypatch.setattr(SpeculativeAlgorithm, "is_future_feature", lambda self: True, raising=False)
-    assert algo.is_future_feature() is True
+    assert unmapped_predicates() == ["is_future_feature"]
+    with pytest.raises(RuntimeError, match="is_future_feature"):
+        register()
+    assert "ADAFLASH" not in sglang_registry
     with pytest.raises(AttributeError):
-        algo._private_thing  # noqa: B018
+        algo.is_future_feature  # noqa: B018
+    monkeypatch.delattr(SpeculativeAlgorithm, "is_future_feature")
+    assert unmapped_predicates() == []
+    register()
+    assert isinstance(sglang_registry["ADAFLASH"], AdaFlashSpecAlgo)
 
 
 def test_delegated_methods_have_reasons_and_exist_on_dflash():

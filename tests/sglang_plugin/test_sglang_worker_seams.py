@@ -86,7 +86,7 @@ class FakeTarget:
     """A target worker whose verify returns one-hot logits of target_fn on the rows it gets."""
 
     def __init__(self):
-        self.model_runner = SimpleNamespace(decode_cuda_graph_runner=None)
+        self.model_runner = SimpleNamespace(decode_cuda_graph_runner=None, ragged=True)
         self.verify_calls = []
 
     def forward_batch_generation(self, batch=None, forward_batch=None, is_verify=False, **kw):
@@ -292,7 +292,14 @@ def test_target_worker_property_only_proxies_inside_a_compact_step():
     assert w.target_worker is w._target_worker
     w._ada_step = wmod._Step(make_batch(), True, None)
     assert isinstance(w.target_worker, wmod._CompactVerifyTarget)
-    assert w.target_worker.model_runner is w._target_worker.model_runner  # forwards the rest
+    # DFlash's full-width verify preparation sees no graph and plans no attention metadata
+    runner = w.target_worker.model_runner
+    assert runner.decode_cuda_graph_runner is None
+    w._target_worker.model_runner.attn_backend = SimpleNamespace(
+        init_forward_metadata=lambda fb: pytest.fail("planned the full-width verify"), name="fa3"
+    )
+    runner.attn_backend.init_forward_metadata(object())
+    assert runner.attn_backend.name == "fa3" and runner.ragged is True  # forwards the rest
     w._ada_mode = "cap"
     assert w.target_worker is w._target_worker
     fresh = object.__new__(wmod.AdaFlashWorkerV2)

@@ -90,7 +90,10 @@ def _ragged_backend_class():
             o = q.new_zeros((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
             if save_kv_cache:
                 self.token_to_kv_pool.set_kv_buffer(
-                    layer, KVWriteLoc(forward_batch.out_cache_loc[:total], None), k[:total], v[:total]
+                    layer,
+                    KVWriteLoc(forward_batch.out_cache_loc[:total], None),
+                    k[:total],
+                    v[:total],
                 )
             self._run_sdpa_forward_extend(
                 q[:total].reshape(total, layer.tp_q_head_num, layer.qk_head_dim),

@@ -65,7 +65,11 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[dict, list[dict]]]:
         cmd = [sys.executable, "-m", "tests.sglang_plugin.cpu_sglang", "--out", str(out),
                "--mode", mode, "--dispatch", dispatch]  # fmt: skip
         log = open(out / "log.txt", "w")
-        procs[mode, dispatch] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), out, log)
+        procs[mode, dispatch] = (
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log),
+            out,
+            log,
+        )
     results = {}
     for key, (proc, out, log) in procs.items():
         try:
@@ -131,7 +135,10 @@ def test_cap_mode_builds_and_caps_whole_block_verification(cap_torch):
     greedy = [s for s in steps if s["phase"] == "greedy"]
     assert any(min(s["verify_lens"]) < B for s in greedy)
     for s in greedy:
-        assert not s["verify"]["ragged"] and s["verify"]["input_ids"].numel() == len(s["verify_lens"]) * B
+        assert (
+            not s["verify"]["ragged"]
+            and s["verify"]["input_ids"].numel() == len(s["verify_lens"]) * B
+        )
         assert all(int(a) <= n - 1 for a, n in zip(s["accept_len"], s["verify_lens"]))
     check_against_reference_engine(steps)
 

@@ -36,6 +36,7 @@ import logging
 import os
 
 import torch
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -161,7 +162,10 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         super().__init__(server_args, gpu_id, nccl_port, target_worker, *args, **kwargs)
         self._ada_step: _Step | None = None
         self._ada_tp_rank = get_parallel().tp_rank
-        self._ada_tp_group = get_parallel().tp_group
+        # The ranks that run this rank's batch: the whole TP group, or under DP attention the
+        # attention-TP group. Verify lengths and reload swaps are agreed within it only; idle
+        # DP peers skip the draft and the reload point, so a TP-wide collective would hang.
+        self._ada_tp_group = get_dp_tp_group()
         self._ada_opts = AdaFlashOptions.resolve(server_args.speculative_draft_model_path)
         self._ada_mode = resolved_verify_mode() or VERIFY_FIXED
         self._ada_ckpt = local_checkpoint_dir(server_args.speculative_draft_model_path)

@@ -151,3 +151,50 @@ def test_pod_stats_feed_tau_from_the_sink_and_count_the_request_log(model_pair, 
         "adaflash.io/acceptance-tau": "4.000",
         "adaflash.io/traffic-records": "1",
     }
+
+
+def test_dp_attention_ranks_agree_only_with_the_ranks_of_their_batch(
+    model_pair, tmp_path, monkeypatch
+):
+    """Under DP attention an idle DP rank runs neither the draft nor the reload point, so
+    verify lengths and reload swaps must be agreed within the attention-TP group that shares
+    the batch (SGLang's get_dp_tp_group), never across the whole TP group, which would hang."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_adaflash.serving import reload as rl
+    from sglang_adaflash.sglang_plugin import length_budget as lb
+    from sglang_adaflash.sglang_plugin import worker as wmod
+
+    draft = model_pair["head"]
+    cfg = read_config(draft)
+
+    def dflash_init(self, server_args, gpu_id, nccl_port, target_worker):
+        self.__dict__.update(
+            server_args=server_args,
+            block_size=cfg.block_size,
+            device=torch.device("cpu"),
+            draft_model=FusedDraft(cfg),
+            draft_parallel_layout=SimpleNamespace(tp_group=None),
+            _target_worker=target_worker,
+        )
+
+    monkeypatch.setattr(DFlashWorkerV2, "__init__", dflash_init)
+    whole_tp = SimpleNamespace(world_size=2, cpu_group="the whole TP group")
+    monkeypatch.setattr(wmod, "get_parallel", lambda: SimpleNamespace(tp_rank=1, tp_group=whole_tp))
+    monkeypatch.setattr(wmod, "get_dp_tp_group", lambda: SimpleNamespace(world_size=1))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: pytest.fail("collective"))
+    for name, value in {
+        "ADAFLASH_RESOLVED_VERIFY_MODE": "cap",
+        "ADAFLASH_HOME": str(tmp_path / "home"),
+        "ADAFLASH_LOADED_VERSION_FILE": str(tmp_path / "status.json"),
+        "ADAFLASH_RELOAD_POLL_S": "3600",
+    }.items():
+        monkeypatch.setenv(name, value)
+    args = SimpleNamespace(speculative_draft_model_path=str(draft), model_path=None)
+    w = AdaFlashWorkerV2(args, 0, 0, SimpleNamespace(model_runner=None))
+    try:
+        assert isinstance(w._ada_reloader.group, rl.SingleRank)
+        plan = lb.VerifyPlan.from_lists([3, 8], cfg.block_size)
+        assert w._agree_across_tp(plan) is plan
+    finally:
+        w._ada_reloader.stop()

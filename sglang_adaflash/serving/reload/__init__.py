@@ -16,7 +16,9 @@ Pieces, each usable alone, one module each:
 - :mod:`.apply`: :func:`apply_in_place` copies a staged state into the live tensors *in place*:
   CUDA graphs hold raw pointers, so a parameter is never replaced, only overwritten. It
   snapshots the old values first and restores them if anything fails, so a failed load keeps
-  the old weights.
+  the old weights. The snapshot goes into host memory the watcher allocated
+  (:class:`SnapshotBuffers`, pinned on a GPU) and nothing waits for the device, so a swap only
+  queues copies on the decode stream.
 - :mod:`.lockstep`: tensor-parallel ranks agree on when to swap and whether to keep it.
 - :mod:`.reloader`: :class:`HotReloader` glues them: a watcher thread stages;
   ``at_step_boundary()``, called by the worker before each decode step, makes tensor-parallel
@@ -44,6 +46,7 @@ from .apply import (
     ModuleTarget,
     ReloadTarget,
     Snapshot,
+    SnapshotBuffers,
     apply_in_place,
 )
 from .contract import (
@@ -147,6 +150,7 @@ __all__ = [
     "Reporter",
     "SingleRank",
     "Snapshot",
+    "SnapshotBuffers",
     "StagedDrafter",
     "StatusFileReporter",
     "TRAFFIC_RECORDS_ANNOTATION",

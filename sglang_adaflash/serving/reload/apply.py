@@ -101,6 +101,28 @@ class CompositeTarget:
             part.refresh()
 
 
+class SnapshotBuffers:
+    """Host memory for the pre-write copy of every live tensor.
+
+    Allocated by the watcher thread when it stages a version and reused by every reload, so
+    the decode thread allocates nothing; pinned when the live tensors are on a GPU, so the
+    copies into it are asynchronous and the decode thread never waits for them (the stream
+    orders them before the write, and a restore after both).
+    """
+
+    def __init__(self, live: Mapping[str, torch.Tensor]):
+        self.tensors = {
+            name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            for name, t in live.items()
+        }
+
+    def fits(self, live: Mapping[str, torch.Tensor]) -> bool:
+        return live.keys() == self.tensors.keys() and all(
+            t.shape == self.tensors[n].shape and t.dtype == self.tensors[n].dtype
+            for n, t in live.items()
+        )
+
+
 @dataclass
 class Snapshot:
     """Host copies of live tensors taken before a write, and the pointers they had."""
@@ -110,10 +132,17 @@ class Snapshot:
     pointers: dict[str, int]
 
     @classmethod
-    def take(cls, live: Mapping[str, torch.Tensor]) -> Snapshot:
+    def take(
+        cls, live: Mapping[str, torch.Tensor], buffers: SnapshotBuffers | None = None
+    ) -> Snapshot:
         with torch.no_grad():
-            copies = {name: t.detach().to("cpu", copy=True) for name, t in live.items()}
-        return cls(copies, dict(live), {name: t.data_ptr() for name, t in live.items()})
+            if buffers is not None and buffers.fits(live):
+                copies = buffers.tensors
+                for name, t in live.items():
+                    copies[name].copy_(t.detach(), non_blocking=True)
+            else:  # no buffers prepared: synchronous copies into fresh memory
+                copies = {name: t.detach().to("cpu", copy=True) for name, t in live.items()}
+        return cls(dict(copies), dict(live), {name: t.data_ptr() for name, t in live.items()})
 
     def moved(self, live: Mapping[str, torch.Tensor]) -> list[str]:
         """Live tensors that are no longer the storage they were (a reload must never do that)."""
@@ -124,24 +153,28 @@ class Snapshot:
         )
 
     def restore(self) -> None:
+        # No device sync: later kernels on this stream read the restored values anyway.
         with torch.no_grad():
             for name, t in self.live.items():
-                t.copy_(self.tensors[name])
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # CPU-GPU sync: the restore must be complete before decoding
+                t.copy_(self.tensors[name], non_blocking=True)
 
 
-def apply_in_place(target: ReloadTarget, state: Mapping[str, torch.Tensor]) -> Snapshot:
+def apply_in_place(
+    target: ReloadTarget,
+    state: Mapping[str, torch.Tensor],
+    buffers: SnapshotBuffers | None = None,
+) -> Snapshot:
     """Overwrite the target's weights with ``state`` in place; returns the pre-write snapshot.
 
     On any failure the old values are copied back and :class:`ReloadError` is raised. The caller
     may still restore the snapshot later (e.g. when another tensor-parallel rank failed).
+    Everything is queued on the current stream without waiting for the device: it runs between
+    two decode steps, and an asynchronous copy error is fatal to the CUDA context anyway, so
+    waiting for it here could not roll it back.
     """
-    snapshot = Snapshot.take(target.live_tensors())
+    snapshot = Snapshot.take(target.live_tensors(), buffers)
     try:
         target.write(state)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # CPU-GPU sync: surface async copy errors here, not later
         moved = snapshot.moved(target.live_tensors())
         if moved:
             raise ReloadError(

@@ -20,7 +20,7 @@ from sglang_adaflash.drafter.store import drafters_dir
 
 from ..background import BackgroundLoop
 from ..metrics import MetricsSink, NullSink
-from .apply import ReloadTarget, apply_in_place
+from .apply import ReloadTarget, SnapshotBuffers, apply_in_place
 from .contract import ReloadError, version_number
 from .lockstep import LockstepGroup, SingleRank
 from .reporters import Reporter
@@ -90,6 +90,7 @@ class HotReloader:
         self._report_queue: deque[Callable[[], None]] = deque()
         self._report_thread: threading.Thread | None = None
         self._steps = 0
+        self._snapshot_buffers: SnapshotBuffers | None = None
         self._watcher = BackgroundLoop(self.poll_once, poll_interval_s, name="adaflash-reload")
         self._expected = target.expected()
         if loaded_version:
@@ -142,6 +143,7 @@ class HotReloader:
             self._rejected[version] = dir_signature(path)
             self._fail("rejected", version, str(e))
             return staged
+        self._prepare_snapshot_buffers()
         with self._lock:
             self._staged = new
         self.status.staged_version = version
@@ -149,6 +151,13 @@ class HotReloader:
             "drafter %s (%s) verified and staged; swapping at the next step", version, origin
         )
         return new
+
+    def _prepare_snapshot_buffers(self) -> None:
+        """The swap's rollback copy needs host memory the size of the drafter; allocate it here,
+        on the watcher thread, once (live shapes never change), not on the decode thread."""
+        live = self.target.live_tensors()
+        if self._snapshot_buffers is None or not self._snapshot_buffers.fits(live):
+            self._snapshot_buffers = SnapshotBuffers(live)
 
     def start(self) -> None:
         """Run :meth:`poll_once` every ``poll_interval_s`` on a watcher thread."""
@@ -175,7 +184,7 @@ class HotReloader:
         if low < 0 or low != -neg_high:
             return None  # some rank has nothing staged, or ranks staged different versions
         try:
-            snapshot = apply_in_place(self.target, staged.state)
+            snapshot = apply_in_place(self.target, staged.state, self._snapshot_buffers)
             ok = 1
         except ReloadError as e:
             snapshot, ok = None, 0

@@ -249,6 +249,8 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
              "or another parent")
     if work.exists():
         shutil.rmtree(work)
+    for stale in work.parent.glob(f".{work.name}.*.tmp"):  # a selection a crash cut short
+        shutil.rmtree(stale, ignore_errors=True)
     report = ReadReport()
     ledger = Ledger(home / "distill" / LEDGER_NAME)
     consumed = ledger.load()

@@ -167,7 +167,10 @@ def _recomputed_eval(pair, home) -> dict:
 def test_too_few_records_fails_without_consuming_them(vol, tmp_path):
     pair, home = vol
     report = tmp_path / "report"
+    stale = home / "distill" / ".work.999.tmp"  # a selection a crash cut short
+    stale.mkdir(parents=True)
     assert distill.main(_argv(pair, home, report, "--min-records", "25")) == 1
+    assert not stale.exists()
     assert "only 24 new usable traffic records" in report.read_text()
     assert Ledger(home / "distill" / "consumed.keys").load() == set()
     assert list_versions(home) == ["v000001"]

@@ -73,7 +73,15 @@ def test_head_missing_weights_keeps_compact_with_whole_blocks(model_pair, tmp_pa
     assert w._ada_mode == "fixed"
 
 
-def test_backend_check(model_pair):
+def test_backend_check(model_pair, monkeypatch):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    # The check runs once SGLang built the backends (test_sglang_cpu_engine.py: start-up order)
+    built = []
+    monkeypatch.setattr(DFlashWorkerV2, "init_attention_backends", lambda self: built.append(1))
+    with pytest.raises(RuntimeError, match="--attention-backend fa3"):
+        bare_worker(model_pair["head"], ragged_backend=False).init_attention_backends()
+    assert built == [1]
     bare_worker(model_pair["head"])._ada_check_backend()
     with pytest.raises(RuntimeError, match="--attention-backend fa3"):
         bare_worker(model_pair["head"], ragged_backend=False)._ada_check_backend()

@@ -19,6 +19,8 @@ DRAFTERS_DIR = f"{HOME}/drafters"
 CONTROL_DIR = "/etc/adaflash"
 # File (ConfigMap key) holding the fleet's drafter version, e.g. "v000003".
 FLEET_VERSION_KEY = "drafter-version"
+# ConfigMap key naming the serving pods' ServiceAccount (read by the chart's admission policy).
+SERVING_ACCOUNT_KEY = "serving-service-account"
 FLEET_VERSION_FILE = f"{CONTROL_DIR}/fleet/{FLEET_VERSION_KEY}"
 # Downward-API file with all pod annotations ("key=\"value\"" lines).
 POD_ANNOTATIONS_FILE = f"{CONTROL_DIR}/pod/annotations"
@@ -35,6 +37,7 @@ TRAFFIC_RECORDS = "adaflash.io/traffic-records"  # records this pod logged since
 LABEL_SERVICE = "adaflash.io/service"  # the owning AdaFlashService's name
 LABEL_COMPONENT = "adaflash.io/component"  # serving | distill | storage
 LABEL_ROUND = "adaflash.io/distill-round"
+LABEL_DISTILL_JOB = "adaflash.io/distill-job"  # on a distillation Job's pods: the Job's name
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "adaflash-operator"
 
@@ -43,6 +46,8 @@ ENV_HOME = "ADAFLASH_HOME"
 ENV_POD_NAME = "ADAFLASH_POD_NAME"
 ENV_POD_NAMESPACE = "ADAFLASH_POD_NAMESPACE"
 ENV_FLEET_VERSION_FILE = "ADAFLASH_FLEET_VERSION_FILE"
+# The fleet's version when the container started (from the ConfigMap; the launch path uses it).
+ENV_FLEET_VERSION = "ADAFLASH_START_DRAFTER_VERSION"
 ENV_POD_ANNOTATIONS_FILE = "ADAFLASH_POD_ANNOTATIONS_FILE"
 
 # The distillation Job's container writes its report (JSON) here; Kubernetes copies it into the

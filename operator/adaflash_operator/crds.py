@@ -17,6 +17,26 @@ Schema = dict[str, Any]
 
 VERSION_PATTERN = r"^v[0-9]{6}$"
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# An AdaFlashService's name becomes a Service (DNS-1035: a leading letter) and the prefix of
+# every child; 40 characters leave room for `-retention` (CronJob names: 52) and for the Jobs'
+# `-distill-R-A` (63, hash-shortened beyond).
+SERVICE_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+SERVICE_NAME_MAX = 40
+SERVICE_NAME_RULES = [
+    {"rule": f"self.metadata.name.size() <= {SERVICE_NAME_MAX}",
+     "message": f"metadata.name must be at most {SERVICE_NAME_MAX} characters: it prefixes the "
+                f"names of the Jobs, the CronJob and the other children"},
+    {"rule": f"self.metadata.name.matches('{SERVICE_NAME_PATTERN}')",
+     "message": "metadata.name must start with a letter and hold only lower-case letters, "
+                "digits and '-' (it names a Service: DNS-1035)"},
+]
+SINGLE_NODE_RULE = {
+    "rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+            "self.replicas <= 1",
+    "message": "storage.accessMode ReadWriteOnce or ReadWriteOncePod cannot serve replicas > 1 "
+               "(every serving pod and the distillation Job mount the volume): use "
+               "ReadWriteMany",
+}
 
 
 def _str(desc: str, default: str | None = None, pattern: str | None = None, **kw: Any) -> Schema:
@@ -73,6 +93,11 @@ def _list(desc: str, items: Schema) -> Schema:
     return {"type": "array", "description": desc, "items": items}
 
 
+def _int_or_str(desc: str, default: int | str) -> Schema:
+    return {"anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True, "description": desc, "default": default}
+
+
 def _free(desc: str) -> Schema:
     """A Kubernetes object kept as is (resources, tolerations...): validated by the pod API."""
     return {"type": "object", "description": desc, "x-kubernetes-preserve-unknown-fields": True}
@@ -125,7 +150,16 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
         "startupSeconds": _int("How long model loading may take before the pod is restarted.",
                                1800, 60, 86400),
-        "logTraffic": _bool("Log finished requests to the shared volume for distillation.", True),
+        "logTraffic": _bool("Log finished requests (full prompt and output text: SGLang has no "
+                            "ids-only level) to the shared volume for distillation. Off by "
+                            "default; distillation has no traffic without it.", False),
+        "updateStrategy": _obj("How the Deployment replaces serving pods.", {
+            "type": _str("RollingUpdate or Recreate.", "RollingUpdate",
+                         enum=["RollingUpdate", "Recreate"]),
+            "maxSurge": _int_or_str("Extra pods during a rolling update (each needs its GPUs).",
+                                    0),
+            "maxUnavailable": _int_or_str("Pods that may be down during a rolling update.", 1),
+        }, default={}),
     }, required=["image"]),
     "storage": _obj("The shared volume (ADAFLASH_HOME).", {
         "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one."),
@@ -133,6 +167,8 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "storageClassName": _str("Storage class of the created claim (must support the access mode)."),
         "accessMode": _str("Access mode: serving pods and Jobs on several nodes need ReadWriteMany.",
                            "ReadWriteMany", enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]),
+        "deleteWithService": _bool("Delete the created claim (drafters and traffic) with the "
+                                   "AdaFlashService. Off: the claim is kept.", False),
     }, default={}),
     "drafter": _obj("Which drafter version the fleet serves.", {
         "initialVersion": _str("Version on the shared volume that pods load at start.", "v000001",
@@ -170,7 +206,15 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
                                0.05, 0.0, 1.0),
         "autoPromote": _bool("Promote automatically after a good bake.", True),
     }, default={}),
+    "retention": _obj("Pruning of the shared volume by a daily CronJob.", {
+        "enabled": _bool("Run the pruning CronJob.", True),
+        "trafficDays": _int("Delete traffic logs older than this many days.", 30, 1),
+        "keepVersions": _int("Keep this many newest drafter versions (the fleet's, the pinned "
+                             "and the initial one are always kept).", 10, 2),
+        "schedule": _str("Cron schedule of the pruning Job.", "17 3 * * *", minLength=1),
+    }, default={}),
 }, required=["model", "serving"])
+SERVICE_SPEC["x-kubernetes-validations"] = [SINGLE_NODE_RULE]
 
 _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "version": _str("Version being rolled out."),
@@ -187,6 +231,7 @@ _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
 _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).", {
     "round": _int("Rounds started so far."),
     "activeJob": _str("Name of the running Job, if any."),
+    "activeJobPhase": _str("Pending (not scheduled or not started) or Running."),
     "lastRoundAt": _str("When the last round started.", format="date-time"),
     "lastSuccessAt": _str("When a round last published a version.", format="date-time"),
     "consecutiveFailures": _int("Failed Jobs since the last success."),
@@ -263,7 +308,7 @@ DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
 
 
 def _crd(kind: str, plural: str, singular: str, short: list[str], spec: Schema, status: Schema,
-         columns: list[dict], scale: bool) -> dict:
+         columns: list[dict], scale: bool, rules: list[dict] | None = None) -> dict:
     subresources: dict[str, Any] = {"status": {}}
     if scale:
         subresources["scale"] = {
@@ -301,6 +346,7 @@ def _crd(kind: str, plural: str, singular: str, short: list[str], spec: Schema, 
                         "status": status,
                     },
                     "required": ["spec"],
+                    **({"x-kubernetes-validations": rules} if rules else {}),
                 }},
             }],
         },
@@ -327,7 +373,7 @@ def service_crd() -> dict:
                     _col("Tau", ".status.tau", "number", desc="Live acceptance length"),
                     _col("Rollout", ".status.rollout.phase", priority=1),
                     _col("Age", ".metadata.creationTimestamp", "date"),
-                ], scale=True)
+                ], scale=True, rules=SERVICE_NAME_RULES)
 
 
 def drafter_crd() -> dict:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from .spec import Distillation
 
 VERSION_RE = re.compile(r"^v[0-9]{6}$")
+# Kubernetes keeps at most this much of a termination message (the kubelet keeps the end).
+MAX_MESSAGE_BYTES = 4096
 
 
 class ReportError(ValueError):
@@ -101,6 +103,40 @@ def termination_message(pod: dict, container: str) -> str | None:
     return None
 
 
+def job_pod_phase(pods: list[dict], container: str) -> tuple[str, str]:
+    """("Pending" | "Running", detail) of a running Job from its pods: a Job whose pod waits
+    for a node, an image or a volume is Pending, and the detail says what it waits for."""
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if any((p.get("status") or {}).get("phase") == "Running" for p in live):
+        return "Running", ""
+    if not live:
+        return "Pending", "its pod is not created yet"
+    st = live[-1].get("status") or {}
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return "Pending", (f"not scheduled ({cond.get('reason', 'Unschedulable')}): "
+                               f"{cond.get('message', '')}").strip()
+    for cs in st.get("containerStatuses") or []:
+        if cs.get("name") == container:
+            waiting = (cs.get("state") or {}).get("waiting")
+            if waiting:
+                return "Pending", (f"container waiting ({waiting.get('reason', '')}): "
+                                   f"{waiting.get('message', '')}").strip()
+    if not (live[-1].get("spec") or {}).get("nodeName"):
+        return "Pending", "waiting for a node"
+    return "Pending", "starting"
+
+
+def report_from_log(text: str | None) -> str | None:
+    """The report as the Job's last stdout line (a JSON object), for a report the termination
+    message could not hold whole."""
+    for line in reversed((text or "").splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            return line
+    return None
+
+
 def failure_detail(pod: dict, container: str) -> str:
     """The failed container's exit code and last words, for the condition message."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -122,6 +158,12 @@ def parse_report(message: str | None) -> dict:
     try:
         report = json.loads(message)
     except json.JSONDecodeError as e:
+        if len(message.encode()) >= MAX_MESSAGE_BYTES:
+            raise ReportError(f"the distillation Job's report fills the {MAX_MESSAGE_BYTES}-byte "
+                              f"termination message and was cut (Kubernetes keeps its last "
+                              f"{MAX_MESSAGE_BYTES} bytes), and its log has no whole report "
+                              f"either; the job must keep the report under "
+                              f"{MAX_MESSAGE_BYTES} bytes") from e
         raise ReportError(f"the distillation Job's report is not JSON ({e}); it must be one "
                           f"JSON object, got {message[:120]!r}") from e
     if not isinstance(report, dict):

@@ -6,12 +6,20 @@
   the same reconciliation, then the distillation loop, then one rollout step. Progress lives in
   the object's status, so a restarted operator resumes.
 Deletion needs no handler: every child carries an owner reference and the garbage collector
-removes it with the AdaFlashService.
+removes it with the AdaFlashService (the shared volume's claim only when
+spec.storage.deleteWithService asks for it).
+
+Children are written by server-side apply (field manager `adaflash-operator`), and only when
+what the operator would apply changed, or someone else took a field the operator applies; status
+is written with the resourceVersion it was computed from (a 409 means: read again, retry).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import hashlib
+import json
 import logging
 import os
 from typing import Any
@@ -55,12 +63,21 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """In a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is not None:
-        kube.configure(info)
-    return info
+async def login(**_: Any) -> kopf.ConnectionInfo:
+    """In a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config (exec plugins
+    included). kopf's watches and our calls use the same credentials; kopf calls this again
+    after a 401."""
+    cfg = await kube.load_config()
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert or None,
+        insecure=not cfg.verify_ssl,
+        token=kube.bearer_token(cfg),
+        certificate_path=cfg.cert_file or None,
+        private_key_path=cfg.key_file or None,
+        username=cfg.username or None,
+        password=cfg.password or None,
+    )
 
 
 @kopf.on.cleanup()
@@ -76,54 +93,80 @@ class Conflict(Exception):
     """A child exists but another controller owns it."""
 
 
-async def ensure(desired: dict, owner_uid: str, *, update_spec: bool = True,
-                 keep_data: bool = False) -> dict:
-    """Create `desired` if missing; else adopt it and bring what we manage up to date."""
+# What the operator last applied to each child: (uid, digest of the applied object, the fields
+# the server says it owns). Unchanged on both sides: nothing to send. A field someone else took
+# over (kubectl edit) changes what we own, so drift is repaired; the server's own rewrites
+# ("1024Mi" -> "1Gi") change neither, so they cost no request.
+_applied: dict[tuple[str, str, str], tuple[str, str, str]] = {}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _controller(obj: dict) -> dict | None:
+    owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((o for o in owners if o.get("controller")), None)
+
+
+async def ensure(desired: dict, owner_uid: str, adjust=None) -> dict:
+    """Create or update a child by server-side apply; raise Conflict if another controller
+    owns it. `adjust(desired, live)` may change what is applied to an existing child."""
     meta = desired["metadata"]
     kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
     live = await kube.get(kind, ns, name)
-    if live is None:
-        try:
-            return await kube.create(desired)
-        except kube.ApiError as e:
-            if e.status != 409:
-                raise
-            live = await kube.get(kind, ns, name)
-            if live is None:
-                raise kopf.TemporaryError(f"{kind} {name} vanished while created", delay=2) from e
-    owners = (live.get("metadata") or {}).get("ownerReferences") or []
-    controller = next((o for o in owners if o.get("controller")), None)
-    if controller is not None and controller.get("uid") != owner_uid:
-        raise Conflict(f"{kind} {ns}/{name} already exists and is controlled by "
-                       f"{controller.get('kind')} {controller.get('name')}; delete it or rename "
-                       f"the AdaFlashService")
-    want: dict = {"metadata": {"labels": meta["labels"]}}
-    if controller is None:  # adopt
-        want["metadata"]["ownerReferences"] = owners + meta["ownerReferences"]
-    for key in ("spec", "data", "rules", "roleRef", "subjects"):
-        if key not in desired or (key == "spec" and not update_spec) or (
-                key == "data" and keep_data):
-            continue
-        want[key] = desired[key]
-    if not is_subset(want, live):
-        live = await kube.patch(kind, ns, name, want)
-    return live
+    if live is not None:
+        controller = _controller(live)
+        if controller is not None and controller.get("uid") != owner_uid:
+            raise Conflict(f"{kind} {ns}/{name} already exists and is controlled by "
+                           f"{controller.get('kind')} {controller.get('name')}; delete it or "
+                           f"rename the AdaFlashService")
+        if adjust is not None:
+            desired = adjust(desired, live)
+    key = (kind, ns, name)
+    digest = _digest(desired)
+    if live is not None and _applied.get(key) == (
+            live["metadata"].get("uid"), digest, _digest(kube.managed_fields(live))):
+        return live
+    result = await kube.apply(desired)
+    _applied[key] = (result["metadata"].get("uid"), digest,
+                     _digest(kube.managed_fields(result)))
+    return result
+
+
+def _keep_claim_spec(desired: dict, live: dict) -> dict:
+    """A bound claim's spec is immutable (but for growth): apply what it has."""
+    sp = live.get("spec") or {}
+    keep: dict = {"accessModes": sp.get("accessModes"),
+                  "resources": {"requests": {"storage": ((sp.get("resources") or {}).get(
+                      "requests") or {}).get("storage")}}}
+    if desired["spec"].get("storageClassName") and sp.get("storageClassName"):
+        keep["storageClassName"] = sp["storageClassName"]
+    return {**desired, "spec": keep}
+
+
+def _keep_fleet_version(desired: dict, live: dict) -> dict:
+    """The fleet version in the ConfigMap belongs to the rollout; reconciling keeps it."""
+    version = (live.get("data") or {}).get(c.FLEET_VERSION_KEY)
+    if not version:
+        return desired
+    return {**desired, "data": {**desired["data"], c.FLEET_VERSION_KEY: version}}
 
 
 async def reconcile_children(owner: dict, s: spec_mod.ServiceSpec) -> tuple[dict, str]:
     """Ensure every child; return (the Deployment, the fleet version in the ConfigMap)."""
     uid = owner["metadata"]["uid"]
     if not s.existing_claim:
-        # A bound claim's spec is immutable except for growth; we only create it.
-        await ensure(manifests.pvc(owner, s), uid, update_spec=False)
+        await ensure(manifests.pvc(owner, s), uid, _keep_claim_spec)
     cm = await ensure(manifests.configmap(owner, s.pinned_version or s.initial_version), uid,
-                      keep_data=True)
+                      _keep_fleet_version)
     fleet = (cm.get("data") or {}).get(c.FLEET_VERSION_KEY) or s.initial_version
     await ensure(manifests.service_account(owner), uid)
     await ensure(manifests.role(owner), uid)
     await ensure(manifests.role_binding(owner), uid)
     dep = await ensure(manifests.deployment(owner, s), uid)
     await ensure(manifests.service(owner, s), uid)
+    await ensure(manifests.retention_cronjob(owner, s), uid)
     return dep, fleet
 
 
@@ -139,6 +182,7 @@ async def _parse_or_condition(body: kopf.Body, status: dict, patch: kopf.Patch,
                               logger: logging.Logger) -> spec_mod.ServiceSpec | None:
     gen = body["metadata"].get("generation")
     try:
+        spec_mod.check_name(body["metadata"]["name"])
         s = spec_mod.parse(body.get("spec"))
     except spec_mod.InvalidSpec as e:
         conds = set_condition(status.get("conditions"), "Ready", False, "InvalidSpec", str(e),
@@ -205,26 +249,70 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     return s, fleet, infos
 
 
-@kopf.on.resume(**SERVICE)
-@kopf.on.create(**SERVICE)
-@kopf.on.update(**SERVICE, field="spec")
-async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
-                    logger: kopf.Logger, **_: Any) -> None:
-    """Fires when an AdaFlashService appears, its spec changes, or the operator restarts."""
-    result = await _reconcile(body, dict(status), patch, logger)
-    if result is None:
-        raise kopf.PermanentError("invalid spec; see the Ready condition")
-
-
-# ---------------------------------------------------------------------------------------------
-# The control loop
-
-
 class _StatusPatch:
-    """What the control loop changes in status, sent as one merge patch per tick."""
+    """What one pass changes in status, saved as one conditional merge patch."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {}
+
+
+async def save_status(body: dict, status: dict) -> bool:
+    """Merge `status` into the object's status if the object is still at the resourceVersion it
+    was computed from; False on a conflict (another writer came first: read again)."""
+    meta = body["metadata"]
+    if not status or is_subset(status, body.get("status") or {}):
+        return True
+    try:
+        await kube.patch(c.SERVICE_KIND, meta["namespace"], meta["name"],
+                         {"metadata": {"resourceVersion": meta.get("resourceVersion")},
+                          "status": status}, sub="status")
+    except kube.ApiError as e:
+        if e.status == 409:
+            return False
+        if e.status != 404:
+            raise
+    return True
+
+
+async def pass_once(namespace: str, name: str, logger: logging.Logger, *,
+                    full: bool) -> bool | None:
+    """One reconciliation from a fresh read: children and status, and with `full` the
+    distillation loop and one rollout step. True: done; False: status conflict, retry;
+    None: the object is gone or going."""
+    body = await kube.get(c.SERVICE_KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    patch = _StatusPatch()
+    try:
+        if full:
+            await _tick(body, patch, logger)
+        else:
+            await _reconcile(body, dict(body.get("status") or {}), patch, logger)
+    finally:  # what was done is recorded, even when a later step failed
+        saved = await save_status(body, patch.status)
+    return saved
+
+
+@kopf.on.resume(**SERVICE)
+@kopf.on.create(**SERVICE)
+@kopf.on.update(**SERVICE, field="spec")
+async def reconcile(name: str, namespace: str, spec: kopf.Spec, logger: kopf.Logger,
+                    **_: Any) -> None:
+    """Fires when an AdaFlashService appears, its spec changes, or the operator restarts."""
+    for _attempt in range(5):
+        saved = await pass_once(namespace, name, logger, full=False)
+        if saved is not False:
+            break
+    else:
+        raise kopf.TemporaryError("status kept changing under us; retrying", delay=2)
+    try:
+        spec_mod.check_name(name)
+        spec_mod.parse(dict(spec))
+    except spec_mod.InvalidSpec as e:
+        raise kopf.PermanentError("invalid spec; see the Ready condition") from e
+
+
+# The control loop
 
 
 # On shutdown the loop finishes its tick (cancellation_backoff) so that status matches what it did.
@@ -233,24 +321,23 @@ class _StatusPatch:
 async def control_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                        logger: kopf.Logger, **_: Any) -> None:
     """Runs while an AdaFlashService exists; every TICK seconds: children, distillation, one
-    rollout step. It reads the object afresh each tick, so all progress is in its status."""
+    rollout step. It reads the object afresh each tick, so all progress is in its status.
+    Nothing escapes it: an error is logged and the next tick tries again."""
     while not stopped:
-        body = await kube.get(c.SERVICE_KIND, namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        patch = _StatusPatch()
+        wait = TICK
         try:
-            await _tick(body, patch, logger)
+            saved = await pass_once(namespace, name, logger, full=True)
+            if saved is None:
+                return
+            if saved is False:  # another writer came first: redo from a fresh read soon
+                wait = min(TICK, 0.5)
         except (kube.ApiError, kopf.TemporaryError, OSError) as e:
             logger.warning(f"control loop: {e}; retrying in {TICK}s")
-        if patch.status and not is_subset(patch.status, body.get("status") or {}):
-            try:
-                await kube.patch(c.SERVICE_KIND, namespace, name, {"status": patch.status},
-                                 sub="status")
-            except kube.ApiError as e:
-                if e.status != 404:
-                    logger.warning(f"status not saved: {e}")
-        await stopped.wait(TICK)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug must not end the loop for good
+            logger.exception(f"control loop: unexpected {type(e).__name__}: {e}")
+        await stopped.wait(wait)
 
 
 async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
@@ -261,7 +348,9 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     s, fleet, infos = result
     owner = _owner(body)
     conds = patch.status.get("conditions") or st.get("conditions") or []
+    patch.status["conditions"] = conds
     conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
+    patch.status["conditions"] = conds
     conds = await _rollout(owner, body, s, fleet, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
 
@@ -285,16 +374,20 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         job = await kube.get("Job", ns, active)
         outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
             else distill.job_outcome(job)
+        pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: active})
         if outcome == "running":
+            phase, why = distill.job_pod_phase(pods, c.DISTILL_CONTAINER)
+            if d.get("activeJobPhase") != phase:
+                patch.status["distillation"] = {"activeJobPhase": phase}
+            if phase == "Pending":
+                return set_condition(conds, "Progressing", True, "DistillationPending",
+                                     f"Job {active} is pending: {why}", _ts(now), gen)
             return set_condition(conds, "Progressing", True, "Distilling",
                                  f"Job {active} is running", _ts(now), gen)
         report_err = ""
-        pods = await kube.list_("Pod", ns, {"adaflash.io/distill-job": active})
         if outcome == "succeeded":
-            msgs = [m for m in (distill.termination_message(p, c.DISTILL_CONTAINER)
-                                for p in pods) if m]
             try:
-                report = distill.parse_report(msgs[-1] if msgs else None)
+                report = await _job_report(ns, pods)
                 dv = manifests.drafter_version(owner, report, active)
                 try:
                     await kube.create(dv)
@@ -312,8 +405,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 msg = f"Job {active} published {report['version']}"
                 kopf.event(body, type="Normal", reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
-                new.update(activeJob=None, consecutiveFailures=0, lastSuccessAt=_ts(now),
-                           retryAfter=None, lastError=None)
+                new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
+                           lastSuccessAt=_ts(now), retryAfter=None, lastError=None)
                 conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
                                       _ts(now), gen)
             except distill.ReportError as e:
@@ -332,8 +425,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                    f"{_ts(retry)}")
             kopf.warn(body, reason="DistillationFailed", message=msg)
             metrics.DISTILL_JOBS.labels("failed").inc()
-            new.update(activeJob=None, consecutiveFailures=failures, retryAfter=_ts(retry),
-                       lastError=why[:1000])
+            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=failures,
+                       retryAfter=_ts(retry), lastError=why[:1000])
             conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
                                   _ts(now), gen)
         metrics.DISTILL_FAILURES.labels(ns, name).set(failures if outcome == "failed" else 0)
@@ -352,26 +445,66 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
             round_ = max(round_, 1)
             jb = manifests.job(owner, s, round_, failures + 1, fleet)
             jname = jb["metadata"]["name"]
+            foreign = None
             try:
                 await kube.create(jb)
             except kube.ApiError as e:
                 if e.status != 409:
                     raise
-            msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
-                   f"{fleet})")
-            kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
-            metrics.DISTILL_JOBS.labels("started").inc()
-            new.update(activeJob=jname, round=round_, lastRoundAt=_ts(now))
-            if not retry:
-                new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"), counts)
-                new["newRecords"] = 0
+                # Ours from a pass whose status was lost, or someone else's: look.
+                existing = await kube.get("Job", ns, jname)
+                ctl = _controller(existing or {})
+                if existing is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
+                    foreign = (f"Job {jname} already exists and is not controlled by this "
+                               f"AdaFlashService")
+            if foreign:
+                failures += 1
+                delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
+                                                s.distillation.max_backoff_seconds)
+                retry_at = now + dt.timedelta(seconds=delay)
+                msg = f"{foreign}; retrying as attempt {failures + 1} after {_ts(retry_at)}"
+                kopf.warn(body, reason="DistillationFailed", message=msg)
+                new.update(consecutiveFailures=failures, retryAfter=_ts(retry_at),
+                           lastError=foreign, round=round_)
+                conds = set_condition(conds, "DistillationFailed", True, "JobConflict", msg,
+                                      _ts(now), gen)
+            else:
+                msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
+                       f"{fleet})")
+                kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
+                metrics.DISTILL_JOBS.labels("started").inc()
+                new.update(activeJob=jname, activeJobPhase="Pending", round=round_,
+                           lastRoundAt=_ts(now))
+                if not retry:
+                    new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"),
+                                                              counts)
+                    new["newRecords"] = 0
     if new:
-        patch.status["distillation"] = new
+        patch.status["distillation"] = {**patch.status.get("distillation", {}), **new}
     active_now = new.get("activeJob", active) if "activeJob" in new else active
     if active_now:
-        conds = set_condition(conds, "Progressing", True, "Distilling",
-                              f"Job {active_now} is running", _ts(now), gen)
+        conds = set_condition(conds, "Progressing", True, "DistillationPending",
+                              f"Job {active_now} is pending: just created", _ts(now), gen)
     return conds
+
+
+async def _job_report(ns: str, pods: list[dict]) -> dict:
+    """The report of a succeeded Job: its termination message, or, when that does not parse
+    (a report cut at 4096 bytes), the last JSON line of its log."""
+    msgs = [m for m in (distill.termination_message(p, c.DISTILL_CONTAINER) for p in pods)
+            if m]
+    try:
+        return distill.parse_report(msgs[-1] if msgs else None)
+    except distill.ReportError as first:
+        for p in reversed(pods):
+            try:
+                text = await kube.pod_log(ns, p["metadata"]["name"], c.DISTILL_CONTAINER)
+            except kube.ApiError:
+                continue
+            line = distill.report_from_log(text)
+            if line:
+                return distill.parse_report(line)
+        raise first
 
 
 async def _set_drafter_phase(dv: dict, phase: str, reason: str, message: str, fields: dict,
@@ -435,8 +568,7 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
                                                     f"the fleet serves {d.serving}")
     # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).
     if d.serving != fleet:
-        await kube.patch("ConfigMap", ns, manifests.configmap_name(name),
-                         {"data": {c.FLEET_VERSION_KEY: d.serving}})
+        await kube.apply(manifests.configmap(owner, d.serving))
         patch.status["servingVersion"] = d.serving
         metrics.set_serving(ns, name, d.serving)
     for pod, version in sorted(d.annotate.items()):
@@ -473,10 +605,8 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
     else:
         conds = set_condition(conds, "Degraded", False, "Healthy",
                               d.state.get("message") or "no failed rollout", t, gen)
-    metrics.ROLLOUT_ACTIVE.labels(ns, name).set(1 if active else 0)
     started = rollout.parse_ts(d.state.get("startedAt"))
-    if active and started:
-        metrics.ROLLOUT_STARTED.labels(ns, name).set(started.timestamp())
+    metrics.set_rollout(ns, name, active, started.timestamp() if started else None)
     return conds
 
 
@@ -484,3 +614,5 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
 def forget(name: str, namespace: str, **_: Any) -> None:
     """Fires when an AdaFlashService is deleted; the garbage collector removes its children."""
     metrics.forget(namespace, name)
+    for key in [k for k in _applied if k[1] == namespace]:
+        _applied.pop(key, None)

@@ -5,12 +5,17 @@ Names, for an AdaFlashService `NAME`:
     NAME-drafter       ConfigMap with the fleet's drafter version
     NAME-serving       ServiceAccount, Role and RoleBinding of the serving pods
     NAME               Deployment and Service
-    NAME-distill-R-A   Job of distillation round R, attempt A
+    NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars)
+    NAME-retention     CronJob that prunes old traffic and drafter versions
     NAME-vNNNNNN       DrafterVersion
+
+Every builder returns the whole object as the operator applies it (server-side apply, field
+manager `adaflash-operator`): a field the builder stops emitting is removed from the child.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from . import contract as c
@@ -51,10 +56,11 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name).items())
 
 
-def _meta(name: str, namespace: str, component: str, owner: Manifest | None) -> Manifest:
+def _meta(name: str, namespace: str, component: str, owner: Manifest | None,
+          owned: bool = True) -> Manifest:
     meta: Manifest = {"name": name, "namespace": namespace, "labels": labels(
         owner["metadata"]["name"] if owner else name, component)}
-    if owner is not None:
+    if owner is not None and owned:
         meta["ownerReferences"] = [owner_reference(owner)]
     return meta
 
@@ -71,8 +77,22 @@ def serving_account_name(name: str) -> str:
     return f"{name}-serving"
 
 
+def short_name(base: str, suffix: str, limit: int = 63) -> str:
+    """`base + suffix`, with `base` cut and given a hash when the whole exceeds `limit`
+    (Job names become pod labels: 63 characters at most)."""
+    if len(base) + len(suffix) <= limit:
+        return base + suffix
+    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+    keep = max(1, limit - len(suffix) - len(digest) - 1)
+    return f"{base[:keep].rstrip('-')}-{digest}{suffix}"
+
+
 def job_name(name: str, round_: int, attempt: int) -> str:
-    return f"{name}-distill-{round_}-{attempt}"
+    return short_name(name, f"-distill-{round_}-{attempt}")
+
+
+def retention_name(name: str) -> str:
+    return short_name(name, "-retention", 52)  # CronJob names: 52 characters at most
 
 
 def drafter_name(name: str, version: str) -> str:
@@ -100,7 +120,10 @@ def pvc(owner: Manifest, spec: ServiceSpec) -> Manifest:
     body: Manifest = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(claim_name(name, spec), ns, "storage", owner),
+        # Not owned unless spec.storage.deleteWithService: the garbage collector must not take
+        # the drafters and the traffic with the AdaFlashService.
+        "metadata": _meta(claim_name(name, spec), ns, "storage", owner,
+                          owned=spec.delete_storage_with_service),
         "spec": {
             "accessModes": [spec.access_mode],
             "resources": {"requests": {"storage": spec.storage_size}},
@@ -112,12 +135,15 @@ def pvc(owner: Manifest, spec: ServiceSpec) -> Manifest:
 
 
 def configmap(owner: Manifest, version: str) -> Manifest:
+    """The fleet version; also the parameter of the chart's serving-pod admission policy, which
+    learns from `serving-service-account` which account is this service's serving pods'."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(configmap_name(name), ns, "serving", owner),
-        "data": {c.FLEET_VERSION_KEY: version},
+        "data": {c.FLEET_VERSION_KEY: version,
+                 c.SERVING_ACCOUNT_KEY: serving_account_name(name)},
     }
 
 
@@ -127,7 +153,7 @@ def service_account(owner: Manifest) -> Manifest:
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "metadata": _meta(serving_account_name(name), ns, "serving", owner),
-        "automountServiceAccountToken": True,
+        "automountServiceAccountToken": True,  # the reload agent annotates its own pod
     }
 
 
@@ -161,9 +187,11 @@ def role_binding(owner: Manifest) -> Manifest:
 
 def _resources(base: dict, gpus: int) -> dict:
     out = {k: dict(v) for k, v in base.items() if k in ("requests", "limits")}
+    for part in out.values():
+        part.pop("nvidia.com/gpu", None)  # comes from `gpus` only
     if gpus:
         out.setdefault("limits", {})["nvidia.com/gpu"] = gpus
-    return out
+    return {k: v for k, v in out.items() if v}
 
 
 def server_args(spec: ServiceSpec) -> list[str]:
@@ -171,7 +199,10 @@ def server_args(spec: ServiceSpec) -> list[str]:
     args = [
         "--model-path", spec.target,
         "--speculative-algorithm", "ADAFLASH",
-        "--speculative-draft-model-path", f"{c.DRAFTERS_DIR}/{spec.initial_version}",
+        # The fleet's version when the container starts (env from the ConfigMap, resolved by the
+        # kubelet at start): a new pod starts on what the fleet serves, and a promotion changes
+        # no pod template, so it restarts nothing.
+        "--speculative-draft-model-path", f"{c.DRAFTERS_DIR}/$({c.ENV_FLEET_VERSION})",
         "--speculative-num-draft-tokens", str(spec.block_size),
         "--host", "0.0.0.0",
         "--port", str(spec.port),
@@ -183,16 +214,19 @@ def server_args(spec: ServiceSpec) -> list[str]:
         args += ["--served-model-name", spec.served_model_name]
     if spec.log_traffic:
         # SGLang's own request log (docs/contracts.md, "Traffic record"); the kubelet expands
-        # $(VAR).
+        # $(VAR). SGLang has no ids-only level: below 3 it drops the token ids distillation
+        # needs, so 3 (full prompt and output text) it is, and logTraffic is off by default.
         args += ["--log-requests", "--log-requests-level", "3",
                  "--log-requests-format", "json",
                  "--log-requests-target", f"{c.HOME}/traffic/$({c.ENV_POD_NAME})"]
     return args + list(spec.extra_args)
 
 
-def _env(spec_env: list) -> list[Manifest]:
+def _env(spec_env: list, fleet_configmap: str) -> list[Manifest]:
     return [
         {"name": c.ENV_HOME, "value": c.HOME},
+        {"name": c.ENV_FLEET_VERSION, "valueFrom": {"configMapKeyRef": {
+            "name": fleet_configmap, "key": c.FLEET_VERSION_KEY}}},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": c.ENV_POD_NAMESPACE,
          "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -204,9 +238,22 @@ def _env(spec_env: list) -> list[Manifest]:
     ] + list(spec_env)
 
 
+# SGLang 0.5.23's endpoints for probes: /ping and /ready are flag checks that answer at once
+# (startup finished and healthy; and not paused); /health and /health_generate run a one-token
+# generation when idle, sleep 1 s before their first check and give up after
+# SGLANG_HEALTH_CHECK_TIMEOUT (20 s), so only liveness uses one, with a timeout above that.
+STARTUP_PROBE_PATH = "/ping"
+READINESS_PROBE_PATH = "/ready"
+LIVENESS_PROBE_PATH = "/health_generate"
+LIVENESS_TIMEOUT_S = 30
+
+
+def _probe(path_: str, **kw: int) -> Manifest:
+    return {"httpGet": {"path": path_, "port": "http"}, **kw}
+
+
 def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    probe = {"httpGet": {"path": "/health", "port": "http"}}
     pod_labels = {**labels(name, "serving"), **selector(name)}
     container: Manifest = {
         "name": c.SERVING_CONTAINER,
@@ -214,14 +261,15 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python", "-m", "sglang.launch_server"],
         "args": server_args(spec),
-        "env": _env(spec.env),
+        "env": _env(spec.env, configmap_name(name)),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "resources": _resources(spec.resources, spec.gpus),
-        "startupProbe": {**probe, "periodSeconds": 10,
-                         "failureThreshold": max(1, spec.startup_seconds // 10)},
-        "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3,
-                          "timeoutSeconds": 10},
+        "startupProbe": _probe(STARTUP_PROBE_PATH, periodSeconds=10, timeoutSeconds=5,
+                               failureThreshold=max(1, spec.startup_seconds // 10)),
+        "readinessProbe": _probe(READINESS_PROBE_PATH, periodSeconds=10, timeoutSeconds=5,
+                                 failureThreshold=3),
+        "livenessProbe": _probe(LIVENESS_PROBE_PATH, periodSeconds=30,
+                                timeoutSeconds=LIVENESS_TIMEOUT_S, failureThreshold=3),
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "home", "mountPath": c.HOME},
@@ -249,12 +297,18 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = list(spec.tolerations)
+    if spec.strategy_type == "Recreate":
+        strategy: Manifest = {"type": "Recreate"}
+    else:  # no surge by default: a surge pod needs a spare GPU node
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {
+            "maxSurge": spec.max_surge, "maxUnavailable": spec.max_unavailable}}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(name, ns, "serving", owner),
         "spec": {
             "replicas": spec.replicas,
+            "strategy": strategy,
             "selector": {"matchLabels": selector(name)},
             "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
@@ -291,9 +345,11 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
     jname = job_name(name, round_, attempt)
     d = spec.distillation
     pod_labels = {**labels(name, "distill"), c.LABEL_ROUND: str(round_),
-                  "adaflash.io/distill-job": jname}
+                  c.LABEL_DISTILL_JOB: jname}
     pod_spec: Manifest = {
         "restartPolicy": "Never",
+        # The job never calls the API: no token in its pods.
+        "automountServiceAccountToken": False,
         "securityContext": POD_SECURITY,
         "containers": [{
             "name": c.DISTILL_CONTAINER,
@@ -303,7 +359,9 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
             "args": distill_args(spec, parent),
             "env": [{"name": c.ENV_HOME, "value": c.HOME}, {"name": "HOME", "value": "/tmp"},
                     {"name": "HF_HOME", "value": f"{c.HOME}/hf-cache"}],
-            "resources": _resources(d.resources, d.gpus),
+            # The job loads the target like a serving pod: without its own resources it takes
+            # the serving pods' (docs/operator.md).
+            "resources": _resources(d.resources or spec.resources, d.gpus),
             "terminationMessagePath": c.TERMINATION_LOG,
             "terminationMessagePolicy": "File",
             "securityContext": CONTAINER_SECURITY,
@@ -317,10 +375,13 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
     }
-    if d.node_selector:
-        pod_spec["nodeSelector"] = dict(d.node_selector)
-    if d.tolerations:
-        pod_spec["tolerations"] = list(d.tolerations)
+    # Placement: the job's own, else the serving pods' (the GPU nodes they are allowed on).
+    node_selector = d.node_selector or spec.node_selector
+    tolerations = d.tolerations or spec.tolerations
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = list(tolerations)
     meta = _meta(jname, ns, "distill", owner)
     meta["labels"][c.LABEL_ROUND] = str(round_)
     return {
@@ -349,4 +410,63 @@ def drafter_version(owner: Manifest, report: Manifest, job_name_: str) -> Manife
         "kind": c.DRAFTER_KIND,
         "metadata": _meta(drafter_name(name, report["version"]), ns, "drafter", owner),
         "spec": spec,
+    }
+
+
+def retention_cronjob(owner: Manifest, spec: ServiceSpec) -> Manifest:
+    """A daily Job that prunes the shared volume (python -m adaflash_operator.retention):
+    traffic older than retention.trafficDays, and drafter versions beyond the newest
+    retention.keepVersions, never the fleet's, the pinned or the initial one, nor `latest`."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    r = spec.retention
+    protect = sorted({v for v in (spec.initial_version, spec.pinned_version) if v})
+    args = ["--home", c.HOME, "--traffic-days", str(r.traffic_days),
+            "--keep-versions", str(r.keep_versions),
+            "--fleet-version-file", f"{c.CONTROL_DIR}/fleet/{c.FLEET_VERSION_KEY}"]
+    for v in protect:
+        args += ["--protect", v]
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": POD_SECURITY,
+        "containers": [{
+            "name": "retention",
+            "image": spec.image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "command": ["python", "-m", "adaflash_operator.retention"],
+            "args": args,
+            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
+                          "limits": {"memory": "256Mi"}},
+            "securityContext": CONTAINER_SECURITY,
+            "volumeMounts": [{"name": "home", "mountPath": c.HOME},
+                             {"name": "fleet", "mountPath": f"{c.CONTROL_DIR}/fleet",
+                              "readOnly": True}],
+        }],
+        "volumes": [
+            {"name": "home", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
+            {"name": "fleet", "configMap": {"name": configmap_name(name)}},
+        ],
+    }
+    # On the serving pods' nodes: a ReadWriteOnce volume is only there.
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = list(spec.tolerations)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": _meta(retention_name(name), ns, "retention", owner),
+        "spec": {
+            "schedule": r.schedule,
+            "suspend": not r.enabled,
+            "concurrencyPolicy": "Forbid",
+            "successfulJobsHistoryLimit": 1,
+            "failedJobsHistoryLimit": 3,
+            "jobTemplate": {"spec": {
+                "backoffLimit": 2,
+                "ttlSecondsAfterFinished": 7 * 24 * 3600,
+                "template": {"metadata": {"labels": labels(name, "retention")},
+                             "spec": pod_spec},
+            }},
+        },
     }

@@ -42,6 +42,18 @@ def set_serving(namespace: str, service: str, version: str) -> None:
     SERVING_VERSION.labels(namespace, service, version).set(1)
 
 
+def set_rollout(namespace: str, service: str, active: bool, started: float | None) -> None:
+    """The rollout gauges; the start time exists only while a rollout is in flight."""
+    ROLLOUT_ACTIVE.labels(namespace, service).set(1 if active else 0)
+    if active and started is not None:
+        ROLLOUT_STARTED.labels(namespace, service).set(started)
+    else:
+        try:
+            ROLLOUT_STARTED.remove(namespace, service)
+        except KeyError:
+            pass
+
+
 def forget(namespace: str, service: str) -> None:
     for gauge in (LIVE_TAU, ROLLOUT_ACTIVE, ROLLOUT_STARTED, DISTILL_FAILURES):
         try:

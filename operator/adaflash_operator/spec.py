@@ -8,6 +8,7 @@ condition instead of a half-built deployment. Defaults come from the same schema
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +47,34 @@ def validate(raw: dict | None) -> dict:
     dist = spec.get("distillation", {})
     if dist.get("maxBackoffSeconds", 1) < dist.get("backoffSeconds", 1):
         problems.append("spec.distillation.maxBackoffSeconds must be >= backoffSeconds")
+    storage = spec.get("storage") or {}
+    if isinstance(storage, dict) and not storage.get("existingClaim") and \
+            storage.get("accessMode") in ("ReadWriteOnce", "ReadWriteOncePod") and \
+            isinstance(spec.get("replicas"), int) and spec["replicas"] > 1:
+        problems.append(f"spec: {crds.SINGLE_NODE_RULE['message']}")
     if problems:
         raise InvalidSpec("; ".join(problems) + ". Fix the AdaFlashService spec (see "
                           "docs/operator.md for every field).")
     return spec
+
+
+def check_name(name: str) -> None:
+    """The CRD's rules on metadata.name (for objects written past an old CRD)."""
+    problems = [f"metadata.name {name!r}: {r['message']}" for r, ok in (
+        (crds.SERVICE_NAME_RULES[0], len(name) <= crds.SERVICE_NAME_MAX),
+        (crds.SERVICE_NAME_RULES[1], re.match(crds.SERVICE_NAME_PATTERN, name) is not None),
+    ) if not ok]
+    if problems:
+        raise InvalidSpec("; ".join(problems) + ". Recreate the AdaFlashService under a valid "
+                          "name.")
+
+
+@dataclass(frozen=True)
+class Retention:
+    enabled: bool
+    traffic_days: int
+    keep_versions: int
+    schedule: str
 
 
 @dataclass(frozen=True)
@@ -95,21 +120,27 @@ class ServiceSpec:
     tolerations: list
     startup_seconds: int
     log_traffic: bool
+    strategy_type: str
+    max_surge: int | str
+    max_unavailable: int | str
     existing_claim: str
     storage_size: str
     storage_class: str
     access_mode: str
+    delete_storage_with_service: bool
     initial_version: str
     pinned_version: str
     distillation: Distillation
     rollout: Rollout
+    retention: Retention
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
 
 def parse(raw: dict | None) -> ServiceSpec:
     s = validate(raw)
-    sv, st, dr, di, ro = (s["serving"], s["storage"], s["drafter"], s["distillation"],
-                          s["rollout"])
+    sv, st, dr, di, ro, re_ = (s["serving"], s["storage"], s["drafter"], s["distillation"],
+                               s["rollout"], s["retention"])
+    us = sv["updateStrategy"]
     return ServiceSpec(
         target=s["model"]["target"],
         served_model_name=s["model"].get("servedModelName", ""),
@@ -126,10 +157,14 @@ def parse(raw: dict | None) -> ServiceSpec:
         tolerations=list(sv.get("tolerations", [])),
         startup_seconds=sv["startupSeconds"],
         log_traffic=sv["logTraffic"],
+        strategy_type=us["type"],
+        max_surge=us["maxSurge"],
+        max_unavailable=us["maxUnavailable"],
         existing_claim=st.get("existingClaim", ""),
         storage_size=st["size"],
         storage_class=st.get("storageClassName", ""),
         access_mode=st["accessMode"],
+        delete_storage_with_service=st["deleteWithService"],
         initial_version=dr["initialVersion"],
         pinned_version=dr.get("pinnedVersion", ""),
         distillation=Distillation(
@@ -153,6 +188,12 @@ def parse(raw: dict | None) -> ServiceSpec:
             load_timeout_seconds=ro["loadTimeoutSeconds"],
             max_live_tau_drop=ro["maxLiveTauDrop"],
             auto_promote=ro["autoPromote"],
+        ),
+        retention=Retention(
+            enabled=re_["enabled"],
+            traffic_days=re_["trafficDays"],
+            keep_versions=re_["keepVersions"],
+            schedule=re_["schedule"],
         ),
         raw=s,
     )

@@ -4,6 +4,7 @@ watch streams, a small synchronous client for the tests, and polling."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 from adaflash_operator import contract as c  # noqa: E402
 from adaflash_operator import kube  # noqa: E402
@@ -22,20 +24,95 @@ kmock = pytest.importorskip("kmock", reason="pip install -e .[dev] brings kmock"
 logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
 
 
+@attrs.frozen
+class _Conflict(kmock.KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = ("the object has been modified; please apply your changes to the latest "
+                    "version")
+
+
+FIELD_MANAGER = "adaflash-operator"
+
+
 class _Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator, plus what the API server stamps on every created object (uid,
-    creationTimestamp, generation, resourceVersion): kopf's patches test resourceVersion."""
+    """kmock's emulator, plus a little more of the API server: what it stamps on created objects
+    (uid, creationTimestamp, generation, resourceVersion), a resourceVersion that moves on every
+    write and is honoured as a precondition in merge patches, and a crude server-side apply
+    (the applied sections replace the live ones; the managedFields entry records a digest of
+    what was applied). Validation, defaulting and real field ownership are the real server's
+    business: tests/cluster."""
+
+    _rv = 1
+
+    def _next_rv(self) -> str:
+        _Emulator._rv += 1
+        return str(_Emulator._rv)
+
+    @staticmethod
+    def _stamp(meta: dict) -> None:
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        meta.setdefault("generation", 1)
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
+        ctype = request.headers.get("Content-Type", "")
+        if request.action == kmock.action.UPDATE and request.name and \
+                isinstance(request.data, dict) and request.resource is not None:
+            key = (request.resource, request.namespace, request.name)
+            obj = self._objects[key] if key in self._objects else None
+            missing = obj is None or obj.deleted
+            if "apply-patch" in ctype:
+                applied = json.loads(json.dumps(request.data))
+                meta = applied.setdefault("metadata", {})
+                entry = {"manager": request.params.get("fieldManager", ""),
+                         "operation": "Apply", "fieldsV1": {"digest": hashlib.sha256(
+                             json.dumps(applied, sort_keys=True).encode()).hexdigest()}}
+                if missing:
+                    self._stamp(meta)
+                    meta["resourceVersion"] = self._next_rv()
+                    meta["managedFields"] = [entry]
+                    async with self._lock:
+                        if obj is None:
+                            self._objects[key] = applied
+                        else:
+                            obj.create(applied)
+                        raw = self._objects[key].raw
+                        await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+                    request.data.clear()  # now an empty patch of the object just stored
+                    return await super()._handle(request)
+                live = obj.raw
+                nulls: dict = {k: None for k in applied if k not in ("metadata", "status",
+                                                                      "apiVersion", "kind")}
+                nulls["metadata"] = {k: None for k in ("labels", "ownerReferences",
+                                                       "managedFields") if k in meta or
+                                     k == "managedFields"}
+                for k in list(live):  # sections we applied before and no longer do
+                    if k not in applied and k not in ("metadata", "status", "apiVersion",
+                                                      "kind"):
+                        nulls[k] = None
+                async with self._lock:
+                    obj.patch(nulls)
+                others = [e for e in (live.get("metadata") or {}).get("managedFields") or []
+                          if e.get("manager") != entry["manager"]]
+                meta = {k: v for k, v in meta.items() if k in ("labels", "ownerReferences")}
+                meta["managedFields"] = others + [entry]
+                meta["resourceVersion"] = self._next_rv()
+                applied["metadata"] = meta
+                request.data.clear()
+                request.data.update(applied)
+            elif not missing:
+                want = (request.data.get("metadata") or {}).get("resourceVersion")
+                have = (obj.raw.get("metadata") or {}).get("resourceVersion")
+                if want is not None and want != have:
+                    raise _Conflict()
+                request.data.setdefault("metadata", {})["resourceVersion"] = self._next_rv()
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp",
-                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            meta.setdefault("generation", 1)
-            meta.setdefault("resourceVersion", "1")
+            self._stamp(meta)
+            meta.setdefault("resourceVersion", self._next_rv())
         return await super()._handle(request)
 
 

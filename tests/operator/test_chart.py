@@ -146,6 +146,45 @@ def test_operator_pod_is_hardened_and_rbac_is_least_privilege() -> None:
         "containers"][0]["args"]
 
 
+def _rules(docs: list[dict], kind: str = "ClusterRole") -> set[tuple[str, str]]:
+    role = next(d for d in docs if d["kind"] == kind)
+    return {(res, verb) for rule in role["rules"] for res in rule["resources"]
+            for verb in rule["verbs"]}
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "operator.watchNamespaces={team-a}"]])
+def test_operator_may_set_block_owner_deletion_and_read_job_logs(values: list[str]) -> None:
+    """OwnerReferencesPermissionEnforcement (OpenShift) refuses blockOwnerDeletion without
+    update on the owner's finalizers; a report cut at 4096 bytes is read from pods/log."""
+    rules = _rules(render(*values), "Role" if values else "ClusterRole")
+    assert ("adaflashservices/finalizers", "update") in rules
+    assert ("pods/log", "get") in rules
+    assert {("cronjobs", v) for v in ("get", "create", "patch")} <= rules
+
+
+def test_service_monitors_keep_the_labels_the_alerts_join_on() -> None:
+    for d in render(*ALL_ON):
+        if d["kind"] == "ServiceMonitor":
+            assert all(ep.get("honorLabels") is True for ep in d["spec"]["endpoints"]), d
+
+
+def test_serving_pod_guard_is_on_and_matches_only_serving_accounts() -> None:
+    docs = render()
+    policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+    assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
+    assert "endsWith" not in yaml.safe_dump(policy)
+    assert c.SERVING_ACCOUNT_KEY in yaml.safe_dump(policy)
+    ref = binding["spec"]["paramRef"]
+    assert ref["parameterNotFoundAction"] == "Allow"
+    # The fleet ConfigMap the operator builds is what the binding selects.
+    from adaflash_operator import manifests
+    cm = manifests.configmap({"metadata": {"name": "qwen", "namespace": "ml", "uid": "u"}},
+                             "v000001")
+    assert ref["selector"]["matchLabels"].items() <= cm["metadata"]["labels"].items()
+    assert cm["data"][c.SERVING_ACCOUNT_KEY] == "qwen-serving"
+
+
 def test_chart_requires_kubernetes_1_30() -> None:
     r = helm("template", "rel", str(CHART), "--kube-version", "1.29.0")
     assert r.returncode != 0 and "kubeVersion" in r.stderr, r.stderr

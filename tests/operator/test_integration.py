@@ -31,9 +31,11 @@ from operator_harness import (
 # kmock 0.8 loads its bundled resources with a deprecated importlib call.
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 
-CHILDREN = [("PersistentVolumeClaim", "qwen-home"), ("ConfigMap", "qwen-drafter"),
-            ("ServiceAccount", "qwen-serving"), ("Role", "qwen-serving"),
-            ("RoleBinding", "qwen-serving"), ("Deployment", "qwen"), ("Service", "qwen")]
+# Owned by the AdaFlashService; the shared volume's claim is kept unless asked (CLAIM).
+CHILDREN = [("ConfigMap", "qwen-drafter"), ("ServiceAccount", "qwen-serving"),
+            ("Role", "qwen-serving"), ("RoleBinding", "qwen-serving"), ("Deployment", "qwen"),
+            ("Service", "qwen"), ("CronJob", "qwen-retention")]
+CLAIM = ("PersistentVolumeClaim", "qwen-home")
 
 
 @contextlib.contextmanager
@@ -102,13 +104,14 @@ def test_create_makes_children_and_applies_spec_changes(cluster: Cluster, namesp
     ns = namespace
     with operator(ns):
         owner = cluster.create(afs(ns))
-        for kind, name in CHILDREN:
+        for kind, name in CHILDREN + [CLAIM]:
             wait_for(f"{kind} {name}", lambda k=kind, n=name: cluster.get(k, ns, n))
         uid = owner["metadata"]["uid"]
         for kind, name in CHILDREN:
             refs = cluster.get(kind, ns, name)["metadata"]["ownerReferences"]
             assert refs == [{"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND, "name": "qwen",
                              "uid": uid, "controller": True, "blockOwnerDeletion": True}], kind
+        assert "ownerReferences" not in cluster.get(*CLAIM[:1], ns, CLAIM[1])["metadata"]
         assert fleet_version(cluster, ns) == "v000001"
         kubelet_start_pods(cluster, ns, "qwen")
         wait_for("2 ready pods in status", lambda: status(cluster, ns).get("readyReplicas") == 2)
@@ -269,10 +272,10 @@ def test_restart_mid_rollout_resumes(cluster: Cluster, namespace: str, kubeconfi
 def test_delete_removes_children_through_owner_references(cluster: Cluster, namespace: str,
                                                           kubeconfig) -> None:
     ns = namespace
-    kinds = [k for k, _ in CHILDREN] + ["Job", c.DRAFTER_KIND, c.SERVICE_KIND]
+    kinds = [k for k, _ in CHILDREN] + [CLAIM[0], "Job", c.DRAFTER_KIND, c.SERVICE_KIND]
     with operator(ns):
         cluster.create(afs(ns))
-        for kind, name in CHILDREN:
+        for kind, name in CHILDREN + [CLAIM]:
             wait_for(f"{kind} {name}", lambda k=kind, n=name: cluster.get(k, ns, n))
         pods = kubelet_start_pods(cluster, ns, "qwen")
         publish(cluster, ns, pods, report("v000002"))
@@ -288,6 +291,7 @@ def test_delete_removes_children_through_owner_references(cluster: Cluster, name
                                                   (c.DRAFTER_KIND, "qwen-v000002")])
         for kind, name in CHILDREN:
             assert cluster.get(kind, ns, name) is None
+        assert cluster.get(CLAIM[0], ns, CLAIM[1]) is not None  # the data stays
         # The operator does not bring anything back.
         time.sleep(1.0)
         assert all(cluster.get(k, ns, n) is None for k, n in CHILDREN)
@@ -389,3 +393,56 @@ def test_worse_live_acceptance_rolls_back_after_the_bake(cluster: Cluster, names
         assert fleet_version(cluster, ns) == "v000001"
         assert [h["phase"] for h in dv["status"]["history"]] == ["Candidate", "Canary",
                                                                  "RolledBack"]
+
+
+def test_foreign_job_of_the_same_name_is_not_taken_as_ours(cluster: Cluster, namespace: str,
+                                                           kubeconfig) -> None:
+    """A 409 on Job create means ours (a pass whose status was lost) only if we control it."""
+    ns = namespace
+    cluster.create({"apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": {"name": "qwen-distill-1-1", "namespace": ns},
+                    "spec": {"template": {"spec": {"containers": []}}}})
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        for p in pods:
+            annotate(cluster, ns, p, records="60")
+        cond = wait_for("the conflict", lambda: (
+            d := condition(cluster, ns, "DistillationFailed")).get("status") == "True" and d)
+        assert cond["reason"] == "JobConflict" and "not controlled by" in cond["message"]
+        assert status(cluster, ns)["distillation"].get("activeJob") is None
+        # The next attempt gets its own name, and that one is ours.
+        job = wait_for("the next attempt", lambda: cluster.get("Job", ns, "qwen-distill-1-2"))
+        assert job["metadata"]["ownerReferences"][0]["name"] == "qwen"
+        assert "ownerReferences" not in cluster.get("Job", ns, "qwen-distill-1-1")["metadata"]
+
+
+def test_a_job_without_a_node_is_pending_not_running(cluster: Cluster, namespace: str,
+                                                     kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        for p in pods:
+            annotate(cluster, ns, p, records="60")
+        job = wait_for("the Job", lambda: cluster.get("Job", ns, "qwen-distill-1-1"))
+        tmpl = job["spec"]["template"]
+        cluster.create({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "qwen-distill-1-1-abcde", "namespace": ns,
+                                     "labels": tmpl["metadata"]["labels"]},
+                        "spec": tmpl["spec"],
+                        "status": {"phase": "Pending", "conditions": [{
+                            "type": "PodScheduled", "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}})
+        cond = wait_for("Pending", lambda: "Insufficient nvidia.com/gpu" in (
+            d := condition(cluster, ns, "Progressing")).get("message", "") and d)
+        assert cond["reason"] == "DistillationPending"
+        assert status(cluster, ns)["distillation"]["activeJobPhase"] == "Pending"
+        cluster.patch("Pod", ns, "qwen-distill-1-1-abcde",
+                      {"status": {"phase": "Running", "conditions": None}}, sub="status")
+        wait_for("Running", lambda: condition(cluster, ns, "Progressing").get(
+            "reason") == "Distilling")
+        assert status(cluster, ns)["distillation"]["activeJobPhase"] == "Running"

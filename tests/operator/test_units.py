@@ -54,14 +54,18 @@ def test_deployment_follows_the_hot_reload_contract() -> None:
     args = ctr["args"]
     assert ctr["command"] == ["python", "-m", "sglang.launch_server"]
     assert args[args.index("--speculative-algorithm") + 1] == "ADAFLASH"
+    # New pods start on the fleet's version, read from the ConfigMap when the container starts.
     assert args[args.index("--speculative-draft-model-path") + 1] == \
-        "/var/lib/adaflash/drafters/v000001"
+        f"/var/lib/adaflash/drafters/$({c.ENV_FLEET_VERSION})"
     assert args[args.index("--speculative-num-draft-tokens") + 1] == "8"
     assert args[args.index("--tp-size") + 1] == "2"
     assert args[-2:] == ["--mem-fraction-static", "0.8"]
     assert ctr["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
     env = {e["name"]: e for e in ctr["env"]}
     assert env["ADAFLASH_HOME"]["value"] == c.HOME
+    assert env[c.ENV_FLEET_VERSION]["valueFrom"]["configMapKeyRef"] == {
+        "name": "qwen-drafter", "key": c.FLEET_VERSION_KEY}
+    assert [e["name"] for e in ctr["env"]].index(c.ENV_FLEET_VERSION) < len(ctr["env"])
     assert env[c.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     mounts = {m["name"]: m["mountPath"] for m in ctr["volumeMounts"]}
     assert mounts["home"] == c.HOME
@@ -84,7 +88,7 @@ def test_every_child_is_owned_by_the_service() -> None:
     ref = manifests.owner_reference(OWNER)
     assert ref == {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND, "name": "qwen",
                    "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
-    built = [manifests.pvc(OWNER, s), manifests.configmap(OWNER, "v000001"),
+    built = [manifests.configmap(OWNER, "v000001"), manifests.retention_cronjob(OWNER, s),
              manifests.service_account(OWNER), manifests.role(OWNER),
              manifests.role_binding(OWNER), manifests.deployment(OWNER, s),
              manifests.service(OWNER, s), manifests.job(OWNER, s, 1, 1, "v000001"),
@@ -93,6 +97,87 @@ def test_every_child_is_owned_by_the_service() -> None:
         assert m["metadata"]["ownerReferences"] == [ref], m["kind"]
         assert m["metadata"]["namespace"] == "ml"
         assert m["metadata"]["labels"][c.LABEL_SERVICE] == "qwen"
+
+
+def test_the_shared_volume_is_kept_unless_deletion_is_asked_for() -> None:
+    """kubectl delete afs must not take the drafters and the traffic with it."""
+    claim = manifests.pvc(OWNER, parse(MIN))
+    assert "ownerReferences" not in claim["metadata"]
+    assert claim["metadata"]["labels"][c.LABEL_SERVICE] == "qwen"
+    claim = manifests.pvc(OWNER, parse({**MIN, "storage": {"deleteWithService": True}}))
+    assert claim["metadata"]["ownerReferences"] == [manifests.owner_reference(OWNER)]
+
+
+def test_probes_use_sglangs_probe_endpoints_with_sane_timeouts() -> None:
+    """sglang 0.5.23's /health runs a generation and sleeps 1 s first (up to 20 s): a 1 s
+    probe timeout always failed. Startup and readiness use the flag checks (/ping, /ready);
+    liveness may use the generating check, with a timeout above its 20 s."""
+    ctr = manifests.deployment(OWNER, parse(MIN))["spec"]["template"]["spec"]["containers"][0]
+    paths = {k: ctr[k]["httpGet"]["path"] for k in ("startupProbe", "readinessProbe",
+                                                      "livenessProbe")}
+    assert paths == {"startupProbe": "/ping", "readinessProbe": "/ready",
+                     "livenessProbe": "/health_generate"}
+    assert "/health" not in paths.values()
+    assert ctr["livenessProbe"]["timeoutSeconds"] > 20 + 1
+    assert ctr["livenessProbe"]["periodSeconds"] >= ctr["livenessProbe"]["timeoutSeconds"]
+    for k in ("startupProbe", "readinessProbe"):
+        assert ctr[k]["timeoutSeconds"] >= 2
+
+
+def test_deployment_strategy_needs_no_spare_gpu_by_default() -> None:
+    strategy = manifests.deployment(OWNER, parse(MIN))["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    s = parse({**MIN, "serving": {"image": "i", "updateStrategy": {"maxSurge": "25%",
+                                                                   "maxUnavailable": 0}}})
+    assert manifests.deployment(OWNER, s)["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": "25%", "maxUnavailable": 0}
+    s = parse({**MIN, "serving": {"image": "i", "updateStrategy": {"type": "Recreate"}}})
+    assert manifests.deployment(OWNER, s)["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_traffic_with_prompt_text_is_logged_only_when_asked() -> None:
+    args = manifests.server_args(parse(MIN))
+    assert "--log-requests" not in args and "--log-requests-level" not in args
+    args = manifests.server_args(parse({**MIN, "serving": {"image": "i", "logTraffic": True}}))
+    assert args[args.index("--log-requests-level") + 1] == "3"
+
+
+@pytest.mark.parametrize("name,ok", [
+    ("qwen", True), ("a" * 40, True), ("a" * 41, False), ("8b-qwen", False), ("Qwen", False),
+    ("qwen-", False),
+])
+def test_service_names_must_fit_every_child(name: str, ok: bool) -> None:
+    from adaflash_operator import crds
+    from adaflash_operator.spec import check_name
+
+    if ok:
+        check_name(name)
+    else:
+        with pytest.raises(InvalidSpec, match="metadata.name"):
+            check_name(name)
+    rules = crds.service_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "x-kubernetes-validations"]
+    assert {r["rule"] for r in rules} == {r["rule"] for r in crds.SERVICE_NAME_RULES}
+
+
+def test_child_names_stay_within_kubernetes_limits() -> None:
+    name = "a" * 40
+    owner = {**OWNER, "metadata": {**OWNER["metadata"], "name": name}}
+    s = parse(MIN)
+    assert len(manifests.job(owner, s, 12345, 99, "v000001")["metadata"]["name"]) <= 63
+    assert len(manifests.retention_cronjob(owner, s)["metadata"]["name"]) <= 52
+    long_job = manifests.job_name("b" * 60, 3, 1)
+    assert len(long_job) == 63 and long_job.endswith("-distill-3-1")
+    assert long_job != manifests.job_name("b" * 59 + "c", 3, 1)  # the hash keeps them apart
+
+
+@pytest.mark.parametrize("mode", ["ReadWriteOnce", "ReadWriteOncePod"])
+def test_single_node_volumes_refuse_several_replicas(mode: str) -> None:
+    parse({**MIN, "replicas": 1, "storage": {"accessMode": mode}})
+    with pytest.raises(InvalidSpec, match="ReadWriteMany"):
+        parse({**MIN, "replicas": 2, "storage": {"accessMode": mode}})
+    parse({**MIN, "replicas": 2, "storage": {"accessMode": mode, "existingClaim": "mine"}})
 
 
 def test_serving_role_can_only_get_and_patch_pods() -> None:
@@ -104,6 +189,28 @@ def test_existing_claim_is_used_as_is() -> None:
     s = parse({**MIN, "storage": {"existingClaim": "shared"}})
     vols = manifests.deployment(OWNER, s)["spec"]["template"]["spec"]["volumes"]
     assert vols[0]["persistentVolumeClaim"]["claimName"] == "shared"
+
+
+def test_job_takes_the_serving_placement_and_resources_and_no_token() -> None:
+    serving = {"image": "i", "nodeSelector": {"gpu": "h100"},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                "effect": "NoSchedule"}],
+               "resources": {"requests": {"memory": "64Gi", "cpu": "8"}}}
+    job = manifests.job(OWNER, parse({**MIN, "serving": serving}), 1, 1, "v000001")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == serving["tolerations"]
+    assert pod["containers"][0]["resources"] == {"requests": {"memory": "64Gi", "cpu": "8"},
+                                                 "limits": {"nvidia.com/gpu": 1}}
+    assert pod["automountServiceAccountToken"] is False
+    # The job's own placement wins.
+    own = {"nodeSelector": {"pool": "train"}, "resources": {"limits": {"memory": "100Gi"}}}
+    job = manifests.job(OWNER, parse({**MIN, "serving": serving, "distillation": own}), 1, 1,
+                        "v000001")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "train"}
+    assert pod["containers"][0]["resources"]["limits"] == {"memory": "100Gi",
+                                                           "nvidia.com/gpu": 1}
 
 
 def test_job_reports_through_its_termination_message() -> None:
@@ -171,6 +278,44 @@ def test_job_outcome(status: dict, want: str) -> None:
 def test_bad_reports_say_what_to_write(msg: str | None, needle: str) -> None:
     with pytest.raises(distill.ReportError, match=needle):
         distill.parse_report(msg)
+
+
+def test_a_cut_report_says_so_and_the_log_line_is_the_fallback() -> None:
+    big = json.dumps({"version": "v000002", "eval": {"tau": {f"d{i}": 5.0 for i in range(400)}}})
+    assert len(big) > distill.MAX_MESSAGE_BYTES
+    cut = big[-distill.MAX_MESSAGE_BYTES:]  # the kubelet keeps the end
+    with pytest.raises(distill.ReportError, match="4096-byte termination message and was cut"):
+        distill.parse_report(cut)
+    log = "distill: training\nstep 3 loss 0.4\n" + big + "\n"
+    assert distill.parse_report(distill.report_from_log(log))["version"] == "v000002"
+    assert distill.report_from_log("no report here\n") is None
+
+
+@pytest.mark.parametrize("pods,phase,needle", [
+    ([], "Pending", "not created"),
+    ([{"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}}],
+     "Pending", "Insufficient nvidia.com/gpu"),
+    ([{"spec": {"nodeName": "n1"}, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "distill", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}}],
+     "Pending", "ImagePullBackOff"),
+    ([{"status": {"phase": "Pending"}}], "Pending", "waiting for a node"),
+    ([{"status": {"phase": "Running"}}], "Running", ""),
+])
+def test_a_job_waiting_for_a_node_is_pending(pods: list, phase: str, needle: str) -> None:
+    got, why = distill.job_pod_phase(pods, "distill")
+    assert got == phase and needle in why
+
+
+def test_rollout_start_gauge_is_cleared_when_the_rollout_ends() -> None:
+    from adaflash_operator import metrics
+
+    metrics.set_rollout("ml", "gauge-test", True, 1000.0)
+    assert ("ml", "gauge-test") in metrics.ROLLOUT_STARTED._metrics
+    metrics.set_rollout("ml", "gauge-test", False, 1000.0)
+    assert ("ml", "gauge-test") not in metrics.ROLLOUT_STARTED._metrics
+    assert metrics.ROLLOUT_ACTIVE.labels("ml", "gauge-test")._value.get() == 0
 
 
 def test_report_becomes_a_drafter_version() -> None:

@@ -88,7 +88,8 @@ def _rendered_env(pod="serve-abc", namespace="ml") -> tuple[dict, dict]:
 
     owner = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
              "metadata": {"name": "qwen", "namespace": namespace, "uid": "u-1"}}
-    spec = parse({"model": {"target": "Qwen/Qwen3-8B"}, "serving": {"image": "img:1"}})
+    spec = parse({"model": {"target": "Qwen/Qwen3-8B"},
+                  "serving": {"image": "img:1", "logTraffic": True}})
     dep = manifests.deployment(owner, spec)
     (ctr,) = dep["spec"]["template"]["spec"]["containers"]
     fields = {"metadata.name": pod, "metadata.namespace": namespace}
@@ -96,6 +97,8 @@ def _rendered_env(pod="serve-abc", namespace="ml") -> tuple[dict, dict]:
     for e in ctr["env"]:
         if "value" in e:
             env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in e["valueFrom"]:  # the fleet ConfigMap's version
+            env[e["name"]] = "v000001"
         else:
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
     return env, dep

@@ -41,10 +41,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["adaflash.io"]
   resources: ["adaflashservices/status", "drafterversions/status"]
   verbs: ["get", "patch"]
+# Children carry blockOwnerDeletion: where OwnerReferencesPermissionEnforcement is on
+# (OpenShift), setting it needs update on the owner's finalizers.
+- apiGroups: ["adaflash.io"]
+  resources: ["adaflashservices/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["adaflash.io"]
   resources: ["drafterversions"]
   verbs: ["get", "list", "create", "patch"]
-# Children it creates, adopts and updates (never deletes: owner references do).
+# Children it creates, adopts and updates by server-side apply (never deletes: owner
+# references do).
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
@@ -52,7 +58,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: ["deployments"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["batch"]
-  resources: ["jobs"]
+  resources: ["jobs", "cronjobs"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
@@ -62,6 +68,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "patch"]
+# A distillation report cut at the termination message's 4096 bytes is read from the log.
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -87,6 +87,11 @@ class PodAnnotationReporter:
     pod's name (``ADAFLASH_POD_NAME``, downward API ``metadata.name``), its namespace
     (``ADAFLASH_POD_NAMESPACE`` or the service account's namespace file) and RBAC ``patch`` on
     pods.
+
+    The transport stays a plain urllib PATCH (the operator uses kubernetes_asyncio; see
+    docs/operator.md, "API client"): it is one request, with the pod's own mounted credentials,
+    from a background thread of the SGLang scheduler process, retried by :meth:`flush`. The
+    token file is read at every request, because the kubelet rotates bound tokens.
     """
 
     SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -98,6 +103,7 @@ class PodAnnotationReporter:
         *,
         api_url: str = "",
         token: str | None = None,
+        token_file: str | None = None,
         ca_file: str | None = None,
         timeout_s: float = 5.0,
         transport: PatchTransport | None = None,
@@ -105,6 +111,7 @@ class PodAnnotationReporter:
         self.pod, self.namespace = pod, namespace
         self.api_url = api_url.rstrip("/")
         self.token, self.ca_file, self.timeout_s = token, ca_file, timeout_s
+        self.token_file = token_file  # read per request: bound tokens rotate
         self.transport: PatchTransport = transport or self._http_patch
         self._lock = threading.Lock()
         self._want: dict[str, str | None] = {}
@@ -125,16 +132,23 @@ class PodAnnotationReporter:
                 "%s is set but the namespace is unknown; set %s", ENV_POD_NAME, ENV_POD_NAMESPACE
             )
             return None
-        token = read_optional_text(cls.SA_DIR / "token")
         ca = cls.SA_DIR / "ca.crt"
         port = env.get("KUBERNETES_SERVICE_PORT", "443")
         return cls(
             pod,
             namespace.strip(),
             api_url=f"https://{host}:{port}",
-            token=token.strip() if token else None,
+            token_file=str(cls.SA_DIR / "token"),
             ca_file=str(ca) if ca.exists() else None,
         )
+
+    def current_token(self) -> str | None:
+        """The token to send: the token file's content now (it rotates), else the fixed one."""
+        if self.token_file:
+            token = read_optional_text(Path(self.token_file))
+            if token and token.strip():
+                return token.strip()
+        return self.token
 
     @staticmethod
     def status_annotations(status: Mapping[str, Any]) -> dict[str, str | None]:
@@ -203,8 +217,9 @@ class PodAnnotationReporter:
             method="PATCH",
             headers={"Content-Type": "application/merge-patch+json"},
         )
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        token = self.current_token()
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
         context = None
         if url.startswith("https://"):
             context = ssl.create_default_context(cafile=self.ca_file)

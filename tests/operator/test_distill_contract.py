@@ -1,0 +1,105 @@
+"""The distillation Job's contract, run for real: exactly the command and arguments the operator
+puts in the Job (manifests.job), on a tiny seeded volume, and the report parsed by the operator's
+own parser into a DrafterVersion its CRD schema accepts.
+
+Only the two paths Kubernetes provides are moved into a temp dir: the shared volume's mount
+point (/var/lib/adaflash) and the termination-message file (/dev/termination-log). It skips,
+saying so, while training_job/distill.py (issue "On-policy distillation") is not in the
+repository, and turns green when that job lands and keeps the contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from adaflash_operator import contract as c
+from adaflash_operator import crds, distill, manifests
+from adaflash_operator.spec import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "training_job" / "distill.py").exists(),
+    reason="training_job/distill.py does not exist yet (issue 'On-policy distillation'): this "
+           "contract test runs the operator's Job command against it once it lands")
+
+N_RECORDS = 24
+
+
+def _seed(root: Path) -> tuple[Path, Path]:
+    """A volume with drafter v000001 (the tiny pair's) and traffic SGLang logged for it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_adaflash.drafter.manifest import target_fingerprint
+    from sglang_adaflash.drafter.store import publish_checkpoint
+    from sglang_adaflash.testing.tiny_pair import build_tiny_pair
+
+    pair = build_tiny_pair(root / "pair", seed=0)
+    home = root / "home"
+    publish_checkpoint(home, pair.drafter_dir, target=target_fingerprint(pair.target_dir))
+    target = AutoModelForCausalLM.from_pretrained(pair.target_dir).eval()
+    rng = random.Random(0)
+    logdir = home / "traffic" / "qwen-5d8f7-0"  # --log-requests-target of a serving pod
+    logdir.mkdir(parents=True)
+    with open(logdir / "host_0.log", "w") as f:
+        for i in range(N_RECORDS):
+            prompt = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(6)]
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      do_sample=False, max_new_tokens=10, min_new_tokens=10,
+                                      pad_token_id=0)
+            obj = {"event": "request.finished", "rid": f"r{i}",
+                   "obj": {"rid": f"r{i}", "input_ids": prompt, "sampling_params": {
+                       "temperature": 0.0,
+                       "custom_params": {"domain": ("chat", "code")[i % 2]}}},
+                   "out": {"output_ids": out[0, len(prompt):].tolist(), "meta_info": {}}}
+            f.write(f"[2026-11-30 09:00:00] {json.dumps(obj)}\n")
+    return pair.target_dir, home
+
+
+def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
+        tmp_path: Path) -> None:
+    target, home = _seed(tmp_path)
+    owner = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+             "metadata": {"name": "qwen", "namespace": "ml", "uid": "u-1"}}
+    # Small settings go where a user puts them: spec.distillation.extraArgs.
+    spec = parse({"model": {"target": str(target)}, "serving": {"image": "img"},
+                  "distillation": {"minNewRecords": 16, "extraArgs": [
+                      "--epochs", "1", "--batch-size", "4", "--threads", "1"]}})
+    job = manifests.job(owner, spec, 1, 1, "v000001")
+    (ctr,) = job["spec"]["template"]["spec"]["containers"]
+    report = tmp_path / "termination-log"
+
+    def place(arg: str) -> str:  # the two paths the kubelet provides
+        return arg.replace(c.TERMINATION_LOG, str(report)).replace(c.HOME, str(home))
+
+    assert ctr["command"][0] == "python"
+    cmd = [sys.executable, *ctr["command"][1:], *map(place, ctr["args"])]
+    env = {**os.environ, **{e["name"]: place(e["value"]) for e in ctr["env"] if "value" in e},
+           "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
+    message = report.read_text()
+    assert len(message.encode()) <= distill.MAX_MESSAGE_BYTES  # what Kubernetes keeps
+    parsed = distill.parse_report(message)
+    assert parsed["version"] == "v000002" and parsed["parent"] == "v000001"
+    assert (home / "drafters" / parsed["version"]).is_dir()
+    # The DrafterVersion the operator would create passes the CRD schema.
+    import jsonschema
+
+    dv = manifests.drafter_version(owner, parsed, job["metadata"]["name"])
+    schema = crds.openapi_schema(c.DRAFTER_KIND)
+    schema["properties"]["metadata"] = {"type": "object"}
+    jsonschema.Draft4Validator(schema).validate(dv)
+    # The gate has what it needs.
+    assert parsed.get("eval", {}).get("tau"), "the report has no eval.tau: every version would " \
+                                             "be Rejected (NoEvaluation)"
+    # The last stdout line is the report too (what the operator reads if the message is cut).
+    assert distill.parse_report(distill.report_from_log(r.stdout))["version"] == "v000002"

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,train,bench,serve,operator
 
-.PHONY: venv demo test test-sglang lint bench models tools
+.PHONY: venv demo test test-sglang lint bench models tools cluster-tools test-cluster
 venv: $(VENV)/.installed-$(subst ,,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -45,3 +45,12 @@ $(SGLANG_VENV)/.installed: pyproject.toml
 
 test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider -m "sglang and not gpu" tests/sglang_plugin
+
+# kube-apiserver, kube-controller-manager, kube-scheduler, etcd (and kwok) built from pinned Go
+# modules into .cache/tools (scripts/cluster-tools.sh; cold: see docs/operator.md).
+cluster-tools:
+	bash scripts/cluster-tools.sh .cache/tools
+
+# The operator and the chart against a real API server and controller-manager (tests/cluster).
+test-cluster: venv tools cluster-tools
+	$(PY) -m pytest -p no:cacheprovider -m apiserver tests/cluster

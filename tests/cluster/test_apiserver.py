@@ -1,0 +1,393 @@
+"""The chart and the operator against a real kube-apiserver and kube-controller-manager
+(marker `apiserver`; `make test-cluster`). What kmock cannot show: schema validation, defaults
+and CEL rules, generation and the status subresource, RBAC (the operator runs as the chart's
+ServiceAccount, in its own process), OwnerReferencesPermissionEnforcement, the admission
+policy's CEL, server-side apply's field ownership, the Deployment, ReplicaSet and Job
+controllers and the garbage collector. The tests play the kubelet (there is none)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import pytest
+from adaflash_operator import contract as c
+from conftest import RELEASE, RELEASE_NS, wait_for
+from controlplane import Api, ApiError
+
+pytestmark = pytest.mark.apiserver
+
+
+def afs(ns: str, name: str = "qwen", **over) -> dict:
+    spec = {"model": {"target": "Qwen/Qwen3-8B"}, "replicas": 2,
+            "serving": {"image": "registry.example/adaflash-sglang:0.1", "gpus": 0,
+                        "logTraffic": True},
+            "distillation": {"minNewRecords": 10, "backoffSeconds": 1},
+            "rollout": {"canaryFraction": 0.5, "bakeSeconds": 1, "loadTimeoutSeconds": 60}}
+    for k, v in over.items():
+        spec[k] = {**spec[k], **v} if isinstance(v, dict) and isinstance(spec.get(k), dict) \
+            else v
+    return {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+            "metadata": {"name": name, "namespace": ns}, "spec": spec}
+
+
+def report(version: str = "v000002", tau: float = 5.0, parent: str = "v000001") -> str:
+    return json.dumps({
+        "version": version, "parent": parent, "created": "2026-11-30T09:00:00Z",
+        "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
+        "training": {"algorithm": "opd-rkl", "records": 20, "steps": 2, "finalLoss": 0.4},
+        "eval": {"tau": {"chat": tau}, "parentTau": {"chat": tau - 0.5}}})
+
+
+def status(api: Api, ns: str, name: str = "qwen") -> dict:
+    return (api.get(c.SERVICE_KIND, ns, name) or {}).get("status") or {}
+
+
+def condition(api: Api, ns: str, type_: str) -> dict:
+    return next((x for x in status(api, ns).get("conditions") or [] if x["type"] == type_), {})
+
+
+def dv_phase(api: Api, ns: str, version: str) -> str | None:
+    return ((api.get(c.DRAFTER_KIND, ns, f"qwen-{version}") or {}).get("status") or {}).get(
+        "phase")
+
+
+def fleet(api: Api, ns: str) -> str:
+    return api.get("ConfigMap", ns, "qwen-drafter")["data"][c.FLEET_VERSION_KEY]
+
+
+def serving_pods(api: Api, ns: str) -> list[dict]:
+    return [p for p in api.list("Pod", ns, {c.LABEL_COMPONENT: "serving"})
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def start_serving_pods(api: Api, ns: str, n: int) -> list[dict]:
+    """The ReplicaSet controller made the pods; play the kubelet: they run and are Ready."""
+    def made() -> list[dict] | None:
+        pods = serving_pods(api, ns)
+        return pods if len(pods) == n else None
+
+    pods = wait_for(f"{n} serving pods from the ReplicaSet", made, timeout=60)
+    for p in pods:
+        api.kubelet_ready(ns, p["metadata"]["name"])
+    return sorted(pods, key=lambda p: p["metadata"]["name"])
+
+
+def reporter(api: Api, ns: str, pod: dict):
+    """The project's own pod-status code, with the pod's own bound token."""
+    from sglang_adaflash.serving.reload import PodAnnotationReporter
+
+    token = api.request_token(ns, "qwen-serving", pod=pod)
+    return PodAnnotationReporter(pod["metadata"]["name"], ns, api_url=api.server, token=token,
+                                 ca_file=str(api.ca))
+
+
+def finish_job(api: Api, ns: str, job: str, message: str, exit_code: int = 0) -> None:
+    """The real Job controller made the pod; play the kubelet: it ran and wrote `message`."""
+    pod = wait_for(f"the pod of Job {job}", lambda: api.list(
+        "Pod", ns, {"job-name": job})[0], timeout=60)
+    api.kubelet_terminate(ns, pod, c.DISTILL_CONTAINER, exit_code, message)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_helm_install_of_the_chart(chart, api: Api) -> None:
+    assert "STATUS: deployed" in chart.stdout
+    role = api.request("GET", f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}")
+    rules = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert ("adaflashservices/finalizers", "update") in rules
+    assert api.get("ServiceAccount", RELEASE_NS, RELEASE) is not None
+    assert api.get("Deployment", RELEASE_NS, RELEASE) is not None
+    vap = api.request("GET", "/apis/admissionregistration.k8s.io/v1/"
+                      f"validatingadmissionpolicies/{RELEASE}-serving-pods")
+    # The server compiled its CEL (a syntax error fails the install) and type-checking, when
+    # it has run, found nothing.
+    assert not (vap.get("status") or {}).get("typeChecking", {}).get("expressionWarnings")
+    assert vap["spec"]["paramKind"]["kind"] == "ConfigMap"
+
+
+@pytest.mark.parametrize("name,over,needle", [
+    ("qwen", {"rollout": {"canaryFraction": 2}}, "canaryFraction"),
+    ("8b-qwen", {}, "must start with a letter"),
+    ("q" * 41, {}, "at most 40 characters"),
+    ("qwen", {"replicas": 2, "storage": {"accessMode": "ReadWriteOnce"}}, "use ReadWriteMany"),
+    ("qwen", {"serving": {"image": "i", "updateStrategy": {"type": "Sometimes"}}},
+     "updateStrategy.type"),
+])
+def test_server_refuses_invalid_specs_with_the_schemas_message(chart, api: Api, namespace: str,
+                                                               name: str, over: dict,
+                                                               needle: str) -> None:
+    with pytest.raises(ApiError) as e:
+        api.create(afs(namespace, name, **over))
+    assert e.value.status == 422 and needle in e.value.message, e.value.message
+
+
+def test_server_defaults_the_spec(chart, api: Api, namespace: str) -> None:
+    obj = api.create({"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+                      "metadata": {"name": "qwen", "namespace": namespace},
+                      "spec": {"model": {"target": "t"}, "serving": {"image": "i"}}})
+    sp = obj["spec"]
+    assert sp["serving"]["blockSize"] == 16 and sp["serving"]["logTraffic"] is False
+    assert sp["serving"]["updateStrategy"] == {"type": "RollingUpdate", "maxSurge": 0,
+                                               "maxUnavailable": 1}
+    assert sp["storage"]["deleteWithService"] is False
+    assert sp["retention"] == {"enabled": True, "trafficDays": 30, "keepVersions": 10,
+                               "schedule": "17 3 * * *"}
+    assert obj["metadata"]["generation"] == 1
+
+
+def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str,
+                                                 operator_process, control_plane) -> None:
+    ns = namespace
+    op = operator_process()
+    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    created = api.create(afs(ns, serving={"nodeSelector": {"gpu": "h100"},
+                                          "tolerations": tolerations,
+                                          "resources": {"limits": {"memory": "1024Mi"}}}))
+    # Children, made with the chart's RBAC; blockOwnerDeletion passes
+    # OwnerReferencesPermissionEnforcement (update on adaflashservices/finalizers).
+    dep = wait_for("the Deployment", lambda: api.get("Deployment", ns, "qwen"), timeout=60)
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    for kind, name in [("ConfigMap", "qwen-drafter"), ("ServiceAccount", "qwen-serving"),
+                       ("Role", "qwen-serving"), ("RoleBinding", "qwen-serving"),
+                       ("Service", "qwen"), ("CronJob", "qwen-retention"),
+                       ("PersistentVolumeClaim", "qwen-home")]:
+        wait_for(f"{kind} {name}", lambda k=kind, n=name: api.get(k, ns, n), timeout=30)
+    # The status subresource and observedGeneration.
+    wait_for("observedGeneration 1", lambda: status(api, ns).get("observedGeneration") == 1,
+             timeout=30)
+    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 3}})
+    assert api.get(c.SERVICE_KIND, ns, "qwen")["metadata"]["generation"] == 2
+    wait_for("observedGeneration 2", lambda: status(api, ns).get("observedGeneration") == 2,
+             timeout=30)
+    wait_for("3 replicas", lambda: api.get("Deployment", ns, "qwen")["spec"]["replicas"] == 3)
+    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 2}})
+    wait_for("2 replicas", lambda: api.get("Deployment", ns, "qwen")["spec"]["replicas"] == 2)
+
+    # Serving pods from the real ReplicaSet controller; they annotate themselves.
+    wait_for("2 pods", lambda: len(serving_pods(api, ns)) == 2, timeout=60)
+    pods = start_serving_pods(api, ns, 2)
+    a, b = pods
+    rep_a, rep_b = reporter(api, ns, a), reporter(api, ns, b)
+    assert rep_a.update({c.LOADED_VERSION: "v000001", c.ACCEPTANCE_TAU: "4.0",
+                         c.TRAFFIC_RECORDS: "6"})
+    assert rep_b.update({c.LOADED_VERSION: "v000001", c.ACCEPTANCE_TAU: "4.0",
+                         c.TRAFFIC_RECORDS: "6"})
+    # The admission policy, evaluated by the server: only its own pod, only its annotations.
+    a_api = api.as_token(rep_a.token)
+    with pytest.raises(ApiError, match="may only annotate its own pod"):
+        a_api.patch("Pod", ns, b["metadata"]["name"],
+                    {"metadata": {"annotations": {c.ACCEPTANCE_TAU: "9.9"}}})
+    with pytest.raises(ApiError, match="not desired-drafter-version"):
+        a_api.patch("Pod", ns, a["metadata"]["name"],
+                    {"metadata": {"annotations": {c.DESIRED_VERSION: "v000009"}}})
+    with pytest.raises(ApiError, match="may not change labels"):
+        a_api.patch("Pod", ns, a["metadata"]["name"], {"metadata": {"labels": {"x": "y"}}})
+
+    # 12 records >= 10: a distillation Job, with the serving placement, and no API token.
+    job = wait_for("the distillation Job", lambda: api.get("Job", ns, "qwen-distill-1-1"),
+                   timeout=60)
+    jpod = wait_for("its pod", lambda: api.list("Pod", ns, {"job-name": "qwen-distill-1-1"})[0],
+                    timeout=60)
+    assert jpod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert jpod["spec"]["tolerations"][:1] == tolerations
+    assert jpod["spec"]["automountServiceAccountToken"] is False
+    assert not any("projected" in v for v in jpod["spec"]["volumes"])  # no token volume
+    assert job["metadata"]["ownerReferences"][0]["name"] == "qwen"
+    # Not scheduled (no node here): Pending, not running.
+    cond = wait_for("Pending", lambda: (d := condition(api, ns, "Progressing")).get(
+        "reason") == "DistillationPending" and d, timeout=30)
+    assert "qwen-distill-1-1" in cond["message"]
+
+    finish_job(api, ns, "qwen-distill-1-1", report("v000002", tau=5.0))
+    wait_for("the canary", lambda: dv_phase(api, ns, "v000002") == "Canary", timeout=60)
+    canary = [p["metadata"]["name"] for p in serving_pods(api, ns)
+              if (p["metadata"].get("annotations") or {}).get(c.DESIRED_VERSION) == "v000002"]
+    assert len(canary) == 1
+    rep = rep_a if canary[0] == a["metadata"]["name"] else rep_b
+    generation = api.get("Deployment", ns, "qwen")["metadata"]["generation"]
+    assert rep.update({c.LOADED_VERSION: "v000002", c.ACCEPTANCE_TAU: "4.1"})
+    wait_for("promotion", lambda: dv_phase(api, ns, "v000002") == "Serving", timeout=60)
+    assert fleet(api, ns) == "v000002"
+    # A promotion changes the ConfigMap, not the pod template: no pod restarts.
+    assert api.get("Deployment", ns, "qwen")["metadata"]["generation"] == generation
+    wait_for("the rollout_active series cleared", lambda: status(api, ns).get(
+        "rollout", {}).get("phase") == "Promoted")
+
+    # Deletion: the garbage collector takes the children, the claim stays.
+    api.delete(c.SERVICE_KIND, ns, "qwen")
+    wait_for("the AdaFlashService gone", lambda: api.get(c.SERVICE_KIND, ns, "qwen") is None,
+             timeout=60)
+    for kind, name in [("Deployment", "qwen"), ("ConfigMap", "qwen-drafter"),
+                       ("Job", "qwen-distill-1-1"), (c.DRAFTER_KIND, "qwen-v000002"),
+                       ("CronJob", "qwen-retention"), ("Role", "qwen-serving")]:
+        wait_for(f"{kind} {name} collected", lambda k=kind, n=name: api.get(k, ns, n) is None,
+                 timeout=90)
+    wait_for("the serving pods collected", lambda: not serving_pods(api, ns), timeout=90)
+    assert api.get("PersistentVolumeClaim", ns, "qwen-home") is not None
+    assert op.proc.poll() is None, op.output()[-3000:]
+
+
+def test_operator_restart_mid_rollout_resumes(chart, api: Api, namespace: str,
+                                              operator_process) -> None:
+    ns = namespace
+    op = operator_process()
+    api.create(afs(ns))
+    wait_for("2 pods", lambda: len(serving_pods(api, ns)) == 2, timeout=90)
+    pods = start_serving_pods(api, ns, 2)
+    reps = {p["metadata"]["name"]: reporter(api, ns, p) for p in pods}
+    for r in reps.values():
+        assert r.update({c.LOADED_VERSION: "v000001", c.ACCEPTANCE_TAU: "4.0",
+                         c.TRAFFIC_RECORDS: "6"})
+    wait_for("the Job", lambda: api.get("Job", ns, "qwen-distill-1-1"), timeout=60)
+    finish_job(api, ns, "qwen-distill-1-1", report("v000002"))
+    wait_for("the canary", lambda: status(api, ns).get("rollout", {}).get("phase") == "Canary",
+             timeout=60)
+    op.stop(kill=True)  # dies mid-rollout
+    (canary,) = status(api, ns)["rollout"]["canaryPods"]
+    assert reps[canary].update({c.LOADED_VERSION: "v000002", c.ACCEPTANCE_TAU: "4.2"})
+    operator_process()
+    wait_for("promotion after the restart", lambda: dv_phase(api, ns, "v000002") == "Serving",
+             timeout=90)
+    history = [h["phase"] for h in api.get(c.DRAFTER_KIND, ns, "qwen-v000002")["status"][
+        "history"]]
+    assert history == ["Candidate", "Canary", "Serving"]  # no second canary
+    assert len(api.list("Job", ns)) == 1
+
+
+def _operator_writes(control_plane, ns: str, resource: str, name: str) -> list[dict]:
+    return [e for e in control_plane.audit()
+            if e.get("user", {}).get("username") == f"system:serviceaccount:{RELEASE_NS}:"
+            f"{RELEASE}" and (e.get("objectRef") or {}).get("namespace") == ns
+            and (e.get("objectRef") or {}).get("resource") == resource
+            and (e.get("objectRef") or {}).get("name") == name
+            and e.get("verb") in ("patch", "update", "create")]
+
+
+def test_drift_is_removed_and_server_rewrites_cost_nothing(chart, api: Api, namespace: str,
+                                                           operator_process,
+                                                           control_plane) -> None:
+    ns = namespace
+    operator_process()
+    tolerations = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    api.create(afs(ns, serving={"nodeSelector": {"gpu": "h100"}, "tolerations": tolerations,
+                                "resources": {"limits": {"memory": "1024Mi", "cpu": "2000m"}}}))
+    dep = wait_for("the Deployment", lambda: api.get("Deployment", ns, "qwen"), timeout=60)
+    ctr = dep["spec"]["template"]["spec"]["containers"][0]
+    assert ctr["resources"]["limits"] == {"memory": "1Gi", "cpu": "2"}  # the server's rewrite
+    # Steady state: the server rewrote the quantities, and nothing is sent again for it.
+    time.sleep(2.0)
+    before = len(_operator_writes(control_plane, ns, "deployments", "qwen"))
+    time.sleep(3.0)  # 6 ticks
+    assert len(_operator_writes(control_plane, ns, "deployments", "qwen")) == before
+    # Removing fields from the spec removes them from the Deployment.
+    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"serving": {
+        "nodeSelector": None, "tolerations": None, "resources": None}}})
+    wait_for("nodeSelector, tolerations and limits gone", lambda: (
+        pod := api.get("Deployment", ns, "qwen")["spec"]["template"]["spec"]) and
+        "nodeSelector" not in pod and "tolerations" not in pod and
+        not pod["containers"][0].get("resources"), timeout=30)
+    # Someone edits a field the operator owns: it is put back.
+    api.patch("Deployment", ns, "qwen", {"spec": {"strategy": {"rollingUpdate": {
+        "maxSurge": 3}}}})
+    wait_for("the strategy restored", lambda: api.get("Deployment", ns, "qwen")["spec"][
+        "strategy"]["rollingUpdate"]["maxSurge"] == 0, timeout=30)
+
+
+def test_block_owner_deletion_needs_the_finalizers_permission(chart, api: Api,
+                                                              namespace: str) -> None:
+    """Without `update adaflashservices/finalizers`, the server refuses a child with
+    blockOwnerDeletion (OwnerReferencesPermissionEnforcement): the chart's rule is needed."""
+    ns = namespace
+    owner = api.create(afs(ns))
+    role = api.request("GET", f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}")
+    rules = [r for r in role["rules"] if "adaflashservices/finalizers" not in r["resources"]]
+    assert len(rules) == len(role["rules"]) - 1
+    api.create({"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": "no-finalizers", "namespace": ns}})
+    api.create({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "no-finalizers", "namespace": ns}, "rules": rules})
+    api.create({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": "no-finalizers", "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                            "name": "no-finalizers"},
+                "subjects": [{"kind": "ServiceAccount", "name": "no-finalizers",
+                              "namespace": ns}]})
+    from adaflash_operator import manifests
+    cm = manifests.configmap(owner, "v000001")
+    weak = api.as_token(api.request_token(ns, "no-finalizers"))
+    with pytest.raises(ApiError) as e:
+        weak.create(cm)
+    assert e.value.status in (403, 422) and "blockOwnerDeletion" in e.value.message
+    full = api.as_token(api.request_token(RELEASE_NS, RELEASE))
+    full.create(cm)  # the chart's role has it
+
+
+def test_status_writes_are_conditional(chart, api: Api, namespace: str, control_plane,
+                                       tmp_path) -> None:
+    """Two writers (the kopf handler and the control loop) must not overwrite each other."""
+    from adaflash_operator import handlers, kube
+
+    ns = namespace
+    body = api.create(afs(ns))
+
+    async def main() -> tuple[bool, bool]:
+        await kube.load_config(str(control_plane.admin_kubeconfig))
+        try:
+            first = await handlers.save_status(body, {"servingVersion": "v000001"})
+            stale = await handlers.save_status(body, {"servingVersion": "v000009"})
+            return first, stale
+        finally:
+            await kube.close()
+
+    first, stale = asyncio.run(main())
+    assert first and not stale
+    assert status(api, ns)["servingVersion"] == "v000001"
+
+
+def test_a_foreign_serving_named_account_is_not_restricted(chart, api: Api,
+                                                           namespace: str) -> None:
+    """The guard matches the accounts the fleet ConfigMaps name, not any `*-serving` one."""
+    ns = namespace
+    from adaflash_operator import manifests
+    owner = api.create(afs(ns))
+    api.create(manifests.configmap(owner, "v000001"))  # the guard's parameter, as the operator
+    for body in (
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": "billing-serving", "namespace": ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "pods", "namespace": ns},
+             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "pods", "namespace": ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                         "name": "pods"},
+             "subjects": [{"kind": "ServiceAccount", "name": "billing-serving",
+                           "namespace": ns}]},
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "other", "namespace": ns},
+             "spec": {"containers": [{"name": "c", "image": "busybox"}]}}):
+        api.create(body)
+    billing = api.as_token(api.request_token(ns, "billing-serving"))
+    billing.patch("Pod", ns, "other", {"metadata": {"labels": {"tier": "gold"},
+                                                    "annotations": {"x": "y"}}})
+
+
+def test_kubectl_sees_printer_columns_and_scale(chart, api: Api, namespace: str,
+                                                control_plane) -> None:
+    from controlplane import TOOLS
+
+    api.create(afs(namespace))
+    out = subprocess.run([str(TOOLS / "kubectl"), "--kubeconfig",
+                          str(control_plane.admin_kubeconfig), "-n", namespace, "scale",
+                          "afs/qwen", "--replicas=3"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert api.get(c.SERVICE_KIND, namespace, "qwen")["spec"]["replicas"] == 3
+    out = subprocess.run([str(TOOLS / "kubectl"), "--kubeconfig",
+                          str(control_plane.admin_kubeconfig), "-n", namespace, "get", "afs"],
+                         capture_output=True, text=True, timeout=60)
+    assert "SERVING" in out.stdout and "TAU" in out.stdout, out.stdout + out.stderr

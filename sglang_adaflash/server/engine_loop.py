@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.request import Request, RequestOutput, RequestStats
@@ -57,7 +57,6 @@ class Job:
     # Set by the handler before it aborts a request that ended for its own reason (a stop
     # string: "stop"), so the traffic record says why it ended.
     finish_as: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
     # Loop-thread bookkeeping.
     sent: int = 0
     steps_seen: int = 0

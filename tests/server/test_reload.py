@@ -163,3 +163,13 @@ def test_the_admin_call_needs_a_token_unless_the_server_is_loopback_only(tmp_pat
     r = TestClient(app).post(ROUTE, json={"version": "v000001"}, headers=headers)
     assert r.status_code == status, r.text
     assert TestClient(app).get(ROUTE).status_code == 200  # reading the status stays open
+
+
+def test_mode_ar_serves_without_a_drafter_and_says_why_it_cannot_reload(pair, tmp_path, live_server):
+    server = live_server(["--target", str(pair.target_dir), "--home", str(tmp_path / "home"), "--mode", "ar",
+                          "--model-name", MODEL, "--no-traffic"])
+    out = server.openai().completions.create(model=MODEL, prompt="plain", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4 and out.system_fingerprint is None
+    state = server.get(ROUTE).json()
+    assert state["loaded_version"] is None and "mode ar" in state["reload"]
+    assert "adaflash_spec_drafts_total{" not in server.get("/metrics").text  # ar drafts nothing

@@ -16,17 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafter.length_head import candidate_lengths
 from ..drafter.model import DFlashDrafter
+from ..planner.calibration import SurvivalPosterior
+from ..planner.lengths import PlanCost, expected_tau, paper_lengths, plan_lengths, survival_rate
 from ..target.hf_target import HFTarget, TargetBatch
 from . import flashinfer_sampling
-from .length_policy import OnlineCostModel, StepCostModel, choose_verify_lengths
+from .length_policy import OnlineCostModel, StepCostModel
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
 from .sampling import RequestError, filtered_probs, sample_from
 from .verify import VerifyResult, verify_greedy, verify_sampling
 
 MODES = ("ar", "dflash", "adaflash")
+_MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
 LENGTH_RULES = ("load_aware", "paper")
 
 
@@ -43,13 +45,54 @@ class EngineStats:
 
 
 @dataclass
+class SpecBatch:
+    """What drafting hands to verification in one decode step: the step's contract.
+
+    Rows are the running requests (row i sits in cache slot i). A row that was not drafted
+    verifies only its bonus token (length 1) and has no proposals.
+    """
+
+    lengths: torch.Tensor  # [bs] long, host: verify length L_i in [1, B], slot 0 included
+    draft_ids: torch.Tensor | None = None  # [bs, max(L) - 1] proposals (device)
+    draft_probs: torch.Tensor | None = None  # [len(sampled), max(L) - 1, V] q of sampled rows
+    sampled: list[int] | None = None  # rows that sample (T > 0); the rest are greedy
+    drafted: list[int] = field(default_factory=list)  # rows the drafter ran for
+    probes: list[int] = field(default_factory=list)  # drafted rows that were forced to
+    head_ratio: torch.Tensor | None = None  # [len(drafted)] the length head's E[tau]/B
+    head_survival: torch.Tensor | None = None  # [len(drafted)] survival read from it
+    survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
+
+    @classmethod
+    def plain(cls, bs: int, device) -> SpecBatch:
+        """A plain decode step: nobody drafted, every row verifies its bonus token."""
+        return cls(torch.ones(bs, dtype=torch.long), torch.zeros(bs, 0, dtype=torch.long, device=device))
+
+    def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
+        """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
+        if not adaptive:
+            return None
+        out = torch.full((len(self.lengths),), 1.0 / block_size)
+        if self.drafted:
+            rows = torch.tensor(self.drafted, dtype=torch.long)
+            if self.survival is not None:
+                tau = expected_tau(self.survival.cpu(), self.lengths[rows])
+                out[rows] = tau / block_size
+            elif self.head_ratio is not None:
+                out[rows] = self.head_ratio.float().cpu()
+        return out.tolist()
+
+
+@dataclass
 class _Seq:
     req: Request
     index: int
     stats: RequestStats
     output: list[int] = field(default_factory=list)
-    cache_len: int = 0  # tokens whose K/V (and drafter context) are committed
+    cache_len: int = 0  # tokens whose K/V (and drafter context, less `pending`) are committed
     finish: str | None = None
+    pending: int = 0  # committed tokens not yet in the drafter's context (see _catch_up)
+    since_draft: int = 0  # decode steps since this request was last drafted
+    probe_gap: int = 0  # steps between probes while not drafted (backs off while probes fail)
 
     @property
     def last_token(self) -> int:
@@ -73,10 +116,20 @@ class SpecEngine:
         cost_model: StepCostModel | None = None,
         seed: int = 0,
         proposer=None,
+        calibrate: bool = True,
+        draft_off: bool = True,
+        probe_every: int = 16,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
-        propose(last, ctx_lens, histories) -> block states [bs, B, H],
-        proposal_logits(states, rows, slots) -> [n, V], extend_context and move."""
+        propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
+        proposal_logits(states, rows, slots) -> [m, V], extend_context(feats, starts, slots)
+        and move.
+
+        In adaflash mode with the load-aware rule, `calibrate` corrects the head by each
+        request's (and domain's) verification history, and `draft_off` lets the rule leave out
+        requests whose drafts do not pay for themselves, drafting them after `probe_every`
+        steps to see whether that changed (the gap doubles after each probe that accepts
+        nothing, up to 4 * probe_every, and resets when one accepts)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -106,6 +159,16 @@ class SpecEngine:
             self.proposer = DFlashProposer(drafter, num_slots=max_batch_size, capacity=capacity)
         else:
             target.capture_layer_ids = []
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        adaptive = mode == "adaflash" and length_rule == "load_aware"
+        self.posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
+        self._draft_off = adaptive and draft_off and self.posterior is not None
+        self.probe_every = probe_every
+        self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
+        self._pending: torch.Tensor | None = None  # [slots, probe_every + 1, K*H] (see _catch_up)
+        self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
+        self._quiet_steps = 0
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -221,8 +284,11 @@ class SpecEngine:
         last_rows = batch.q_lens.cumsum(0) - 1
         logits, aux = self.target.forward(batch, self.cache, logits_rows=last_rows)
         first = self._sample_rows(logits, joined)
+        slots = list(range(offset, offset + len(joined)))
         if self.proposer is not None and aux is not None:
-            self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, offset)
+            self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, slots)
+        if self.posterior is not None:
+            self.posterior.reset(torch.tensor(slots, device=self.device), [s.req.domain for s in joined])
         for seq, tok in zip(joined, first.tolist()):
             seq.cache_len = len(seq.req.prompt_ids)
             self._append(seq, [tok])
@@ -255,6 +321,8 @@ class SpecEngine:
     def _pad_rows(flat: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """Packed rows [sum(lens), D] -> padded [n, max(lens), D]."""
         n, width = lens.shape[0], int(lens.max())
+        if flat.shape[0] == n * width:  # no padding (e.g. a plain decode step): a view
+            return flat.view(n, width, flat.shape[-1])
         valid = torch.arange(width, device=lens.device)[None] < lens[:, None]
         out = flat.new_zeros(n, width, flat.shape[-1])
         out[valid] = flat
@@ -263,99 +331,198 @@ class SpecEngine:
     # -- one speculative step ---------------------------------------------------------------
     @torch.inference_mode()
     def _decode_step(self) -> None:
-        seqs = self.running
-        bs = len(seqs)
-        last = torch.tensor([s.last_token for s in seqs], device=self.device)
-        ctx_lens = torch.tensor([s.cache_len for s in seqs], device=self.device)
-        t0 = time.perf_counter()
-        hidden = self._draft_states(seqs, last, ctx_lens)  # [bs, B, H] block states, None for ar
-        ratio = self.drafter.length_head(hidden) if self.mode == "adaflash" else None
-        lengths = self._verify_lengths(seqs, ratio)  # [bs] long, each in [1, B]
-        draft_ids, draft_probs = self._proposals(seqs, hidden, lengths)
+        """Draft (whom it pays to), verify, accept, commit: one step over the running batch."""
+        seqs, t0 = self.running, time.perf_counter()
+        spec = self._draft(seqs)
         t1 = time.perf_counter()
-        tokens = [[s.last_token] + draft_ids[i, : lengths[i] - 1].tolist() for i, s in enumerate(seqs)]
-        batch = TargetBatch.from_lists(tokens, ctx_lens.tolist(), self.device)
+        rows = spec.draft_ids.tolist()
+        tokens = [[s.last_token] + rows[i][: n - 1] for i, (s, n) in enumerate(zip(seqs, spec.lengths.tolist()))]
+        batch = TargetBatch.from_lists(tokens, [s.cache_len for s in seqs], self.device)
         logits, aux = self.target.forward(batch, self.cache)
-        result = self._accept(seqs, draft_ids, draft_probs, self._pad_rows(logits, batch.q_lens), lengths)
+        result = self._accept(seqs, spec, self._pad_rows(logits, batch.q_lens))
         committed = result.to_lists()
-        if self.proposer is not None and aux is not None:
-            self.proposer.extend_context(
-                self._pad_rows(aux, batch.q_lens)[:, : int(result.num_accepted.max()) + 1], ctx_lens
-            )
-        self._commit(seqs, committed, lengths, ratio)
-        self.stats.steps += 1
-        self.stats.batch_sizes.append(bs)
-        self.stats.verified_tokens += int(batch.q_lens.sum())
+        self._update_context(seqs, spec, aux, batch.q_lens, result)
+        self._commit(seqs, spec, committed, result)
         t2 = time.perf_counter()
+        verified = int(batch.q_lens.sum())
+        self.stats.steps += 1
+        self.stats.batch_sizes.append(len(seqs))
+        self.stats.verified_tokens += verified
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         if self._online_cost is not None:
-            self._online_cost.observe(bs, int(batch.q_lens.sum()), t2 - t0)
+            self._online_cost.observe(len(seqs), verified, t2 - t0, drafted=len(spec.drafted))
 
-    def _draft_states(self, seqs, last, ctx_lens):
+    def _draft(self, seqs: list[_Seq]) -> SpecBatch:
+        """Choose whom to draft, draft them, choose every verify length, make the proposals."""
+        bs = len(seqs)
+        cap = torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long)
         if self.proposer is None:
-            return None
-        histories = [s.req.prompt_ids + s.output for s in seqs]
-        return self.proposer.propose(last, ctx_lens, histories)
+            return SpecBatch.plain(bs, self.device)
+        drafted, probes = self._choose_drafted(seqs, cap)
+        if not drafted:
+            return SpecBatch.plain(bs, self.device)
+        self._catch_up(seqs, drafted)
+        last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
+        ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
+        histories = [seqs[i].req.prompt_ids + seqs[i].output for i in drafted]
+        hidden = self.proposer.propose(last, ctx, histories, slots=drafted)  # [n, B, H]
+        spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes)
+        self._verify_lengths(spec, hidden, cap)
+        self._proposals(seqs, spec, hidden)
+        return spec
 
-    def _proposals(self, seqs, hidden, lengths):
+    def _choose_drafted(self, seqs: list[_Seq], cap: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows to draft this step, and which of them are forced (first reads, probes).
+
+        A row whose expected accepted tokens do not pay for its share of the drafter forward
+        and its verify slots is left out and verifies only its bonus token. Its history is
+        then the only estimate of what drafting would give, so every `probe_every` steps it is
+        drafted anyway, which notices a request that starts accepting again.
+        """
+        can = cap > 1
+        if not self._draft_off:
+            return can.nonzero().flatten().tolist(), []
+        # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
+        # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
+        due = [s.since_draft >= max(s.probe_gap, self.probe_every) for s in seqs]
+        quiet = self._quiet_plan is not None and self._quiet_plan == len(seqs) and not any(due)
+        if quiet and all(s.since_draft > 0 for s in seqs) and self._quiet_steps < 8:
+            self._quiet_steps += 1
+            return [], []
+        slots = torch.arange(len(seqs), device=self.device)
+        rate, known = self.posterior.estimate(slots)
+        force = (~known.cpu() | torch.tensor(due)) & can
+        lens = plan_lengths(
+            rate, self.block_size, self._cost(len(seqs)).plan_cost(),
+            min_len=self._min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
+        )
+        drafted = ((lens.cpu() > 1) | force).nonzero().flatten().tolist()
+        self._quiet_plan, self._quiet_steps = (None if drafted else len(seqs)), 0
+        return drafted, [i for i in drafted if bool(force[i])]
+
+    def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:
+        """Verify lengths for the drafted rows (the others keep 1), from the head when adaptive."""
+        rows = torch.tensor(spec.drafted, dtype=torch.long)
+        if self.mode == "dflash":
+            spec.lengths[rows] = cap[rows]
+            return
+        ratio = self.drafter.length_head(hidden)  # [n]
+        spec.head_ratio = ratio
+        if self.length_rule == "paper":
+            cfg = self.drafter.config
+            lens = paper_lengths(ratio, self.block_size, rate=cfg.length_head_rate, min_len=cfg.length_head_min_len,
+                                 cap=cap[rows].to(ratio.device))
+            spec.lengths[rows] = lens.cpu()
+            return
+        head = survival_rate(ratio, self.block_size)
+        slots = rows.to(self.device)
+        spec.head_survival = head
+        spec.survival = self.posterior.calibrate(slots, head) if self.posterior is not None else head
+        # the drafts are paid for now: price the step with them, every row in it
+        bs, n = len(spec.lengths), len(spec.drafted)
+        cost = self._cost(bs)
+        sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token)
+        survival = torch.zeros(bs, device=self.device)
+        survival[slots] = spec.survival.float()
+        row_cap = torch.ones(bs, dtype=torch.long)
+        row_cap[rows] = cap[rows]
+        allow_off = torch.zeros(bs, dtype=torch.bool)
+        if self._draft_off:
+            allow_off[rows] = True
+            allow_off[spec.probes] = False  # a probe verifies at least one proposal
+        lens = plan_lengths(survival, self.block_size, sunk, min_len=self._min_len,
+                            cap=row_cap.to(self.device), allow_off=allow_off.to(self.device))
+        spec.lengths = lens.cpu()
+
+    def _cost(self, batch_size: int) -> StepCostModel:
+        if self.cost_model is not None:
+            return self.cost_model
+        if self._online_cost is None:
+            self._online_cost = OnlineCostModel(profile_step_cost(self))
+        return self._online_cost.model(batch_size)
+
+    def _catch_up(self, seqs: list[_Seq], rows: list[int]) -> None:
+        """Feed the drafter the context a row collected while it was not drafted.
+
+        A row that is not drafted keeps its committed tokens' target features in a small
+        per-slot buffer instead of projecting them into the drafter's context every step; the
+        backlog is projected in one go when the row is drafted again (or the buffer is full).
+        """
+        late = [i for i in rows if seqs[i].pending]
+        if not late or self._pending is None:
+            return
+        width = max(seqs[i].pending for i in late)
+        index = torch.tensor(late, dtype=torch.long, device=self.device)
+        starts = torch.tensor([seqs[i].cache_len - seqs[i].pending for i in late], device=self.device)
+        self.proposer.extend_context(self._pending[index, :width], starts, late)
+        for i in late:
+            seqs[i].pending = 0
+
+    def _update_context(self, seqs, spec: SpecBatch, aux, q_lens, result: VerifyResult) -> None:
+        """Drafted rows extend the drafter's context now; the others queue it (see _catch_up)."""
+        if self.proposer is None or aux is None:
+            return
+        feats = self._pad_rows(aux, q_lens)  # [bs, max L, K*H]
+        if spec.drafted:
+            rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
+            width = int(result.num_accepted[rows].max()) + 1
+            starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
+            self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
+        idle = [i for i in range(len(seqs)) if i not in set(spec.drafted)]
+        if not idle:
+            return
+        if self._pending is None:
+            self._pending = feats.new_zeros(self.max_batch_size, _MAX_PROBE_GAP * self.probe_every + 1, feats.shape[-1])
+        rows = torch.tensor(idle, dtype=torch.long, device=self.device)
+        cols = torch.tensor([seqs[i].pending for i in idle], dtype=torch.long, device=self.device)
+        self._pending[rows, cols] = feats[rows, 0]  # an undrafted row commits exactly one token
+        for i in idle:
+            seqs[i].pending += 1
+        full = [i for i in idle if seqs[i].pending >= self._pending.shape[1]]
+        self._catch_up(seqs, full)
+
+    def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor) -> None:
         """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.
 
         The LM head runs only on the slots each request will verify: the verify lengths are
         chosen from the block states alone, so proposals nobody checks are never computed.
         """
-        bs, k = len(seqs), int(lengths.max()) - 1
-        draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
+        bs, k = len(seqs), int(spec.lengths.max()) - 1
+        spec.draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
+        spec.sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if k <= 0:
-            return draft_ids, None
-        needed = torch.arange(k)[None] < (lengths - 1)[:, None]  # [bs, K] on the host
+            return
+        in_hidden = torch.full((bs,), -1, dtype=torch.long)
+        in_hidden[spec.drafted] = torch.arange(len(spec.drafted))
+        needed = torch.arange(k)[None] < (spec.lengths - 1)[:, None]  # [bs, K] on the host
         rows, slots = needed.nonzero(as_tuple=True)
         rows_d, slots_d = rows.to(self.device), slots.to(self.device)
-        logits = self.proposer.proposal_logits(hidden, rows_d, slots_d + 1)  # [n, V]
-        draft_ids[rows_d, slots_d] = logits.argmax(-1)
-        hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
-        if not hot:
-            return draft_ids, None
+        logits = self.proposer.proposal_logits(hidden, in_hidden[rows].to(self.device), slots_d + 1)  # [n, V]
+        spec.draft_ids[rows_d, slots_d] = logits.argmax(-1)
+        if not spec.sampled:
+            return
         hot_index = torch.full((bs,), -1, dtype=torch.long)
-        hot_index[hot] = torch.arange(len(hot))
-        sel = hot_index[rows] >= 0
+        hot_index[spec.sampled] = torch.arange(len(spec.sampled))
+        sel = (hot_index[rows] >= 0).to(self.device)
         temp, top_k, top_p = self._sampling_tensors(seqs)
-        rs = rows_d[sel.to(self.device)]
-        q = filtered_probs(logits[sel.to(self.device)], temp[rs], top_k[rs], top_p[rs])
-        draft_ids[rs, slots_d[sel.to(self.device)]] = self._sample(q)
-        draft_probs = q.new_zeros(len(hot), k, q.shape[-1])
-        draft_probs[hot_index[rows[sel]].to(self.device), slots_d[sel.to(self.device)]] = q
-        return draft_ids, draft_probs
+        rs = rows_d[sel]
+        q = filtered_probs(logits[sel], temp[rs], top_k[rs], top_p[rs])
+        spec.draft_ids[rs, slots_d[sel]] = self._sample(q)
+        spec.draft_probs = q.new_zeros(len(spec.sampled), k, q.shape[-1])
+        spec.draft_probs[hot_index[rows].to(self.device)[sel], slots_d[sel]] = q
 
-    def _verify_lengths(self, seqs, ratio) -> torch.Tensor:
-        cap = torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long)
-        if self.mode == "ar":
-            return torch.ones(len(seqs), dtype=torch.long)
-        if self.mode == "dflash":
-            return cap
-        cfg = self.drafter.config
-        if self.length_rule == "paper":
-            lengths = candidate_lengths(ratio.cpu(), self.block_size, cfg.length_head_rate, cfg.length_head_min_len)
-            return torch.minimum(lengths, cap)
-        cost = self.cost_model or self._learned_cost(len(seqs))
-        return choose_verify_lengths(ratio.cpu(), self.block_size, cost, min_len=cfg.length_head_min_len, max_len=cap)
-
-    def _learned_cost(self, batch_size: int) -> StepCostModel:
-        if self._online_cost is None:
-            self._online_cost = OnlineCostModel(profile_step_cost(self))
-        return self._online_cost.model(batch_size)
-
-    def _accept(self, seqs, draft_ids, draft_probs, target_logits, lengths) -> VerifyResult:
+    def _accept(self, seqs, spec: SpecBatch, target_logits) -> VerifyResult:
         """Greedy rows by matching, sampled rows by rejection sampling; one result for all."""
         k = target_logits.shape[1] - 1
-        draft_ids = draft_ids[:, :k]
-        num_candidates = (lengths - 1).to(self.device)
+        draft_ids = spec.draft_ids[:, :k]
+        num_candidates = (spec.lengths - 1).to(self.device)
         result = verify_greedy(draft_ids, target_logits, num_candidates)
-        hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
+        hot = spec.sampled if spec.sampled is not None else [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if hot:
             hot_seqs = [seqs[i] for i in hot]
             p = filtered_probs(target_logits[hot].flatten(0, 1), *self._sampling_tensors(hot_seqs, k + 1))
-            q = draft_probs[:, :k] if draft_probs is not None else p.new_zeros(len(hot), 0, p.shape[-1])
+            q = spec.draft_probs[:, :k] if spec.draft_probs is not None else p.new_zeros(len(hot), 0, p.shape[-1])
             sampled = self._verify_sampled(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot])
             result.tokens[hot] = sampled.tokens
             result.num_accepted[hot] = sampled.num_accepted
@@ -372,11 +539,25 @@ class SpecEngine:
             return flashinfer_sampling.sample(probs, self.generator)
         return sample_from(probs, self.generator)
 
-    def _commit(self, seqs, committed, lengths, ratio) -> None:
+    def _commit(self, seqs, spec: SpecBatch, committed, result: VerifyResult) -> None:
+        if spec.survival is not None and self.posterior is not None:
+            rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
+            lens = spec.lengths[spec.drafted].to(self.device)
+            self.posterior.observe(rows, spec.head_survival, result.num_accepted[rows], lens)
+        predicted = spec.predicted_ratios(self.block_size, self.mode == "adaflash")
+        drafted, probes = set(spec.drafted), set(spec.probes)
+        if spec.head_ratio is not None:
+            for i, r in zip(spec.drafted, spec.head_ratio.tolist()):
+                seqs[i].stats.head_ratios.append(r)
         for i, (seq, toks) in enumerate(zip(seqs, committed)):
-            seq.stats.record(int(lengths[i]), len(toks) - 1)
-            if ratio is not None:
-                seq.stats.predicted_ratios.append(float(ratio[i]))
+            seq.stats.record(int(spec.lengths[i]), len(toks) - 1)
+            if predicted is not None:
+                seq.stats.predicted_ratios.append(predicted[i])
+                seq.stats.drafted.append(i in drafted)
+            seq.since_draft = 0 if i in drafted else seq.since_draft + 1
+            if i in probes:  # a probe that accepted nothing waits twice as long for the next
+                gap = max(seq.probe_gap, self.probe_every)
+                seq.probe_gap = min(2 * gap, _MAX_PROBE_GAP * self.probe_every) if len(toks) == 1 else self.probe_every
             seq.cache_len += len(toks)  # slot 0 .. last accepted now have committed K/V
             self.stats.committed_tokens += len(toks)
             self._append(seq, toks)
@@ -394,6 +575,7 @@ class SpecEngine:
                 return
 
     # -- retirement -------------------------------------------------------------------------
+    @torch.inference_mode()
     def _retire(self) -> list[RequestOutput]:
         """Remove finished requests, moving the last running one into each freed slot."""
         outs = []
@@ -407,7 +589,11 @@ class SpecEngine:
             moved = self.running[last].cache_len
             self.cache.move(last, i, moved)
             if self.proposer is not None:
-                self.proposer.move(last, i, moved)
+                self.proposer.move(last, i, moved - self.running[last].pending)
+            if self.posterior is not None:
+                self.posterior.move(last, i)
+            if self._pending is not None and last != i:
+                self._pending[i] = self._pending[last]
             self.running[i] = self.running[last]
             self.running.pop()
             outs.append(self._output(seq, seq.finish))
@@ -437,7 +623,7 @@ def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str
 
 
 def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> StepCostModel:
-    """Fit time = fixed + per_token * T for a ragged verify forward (plus one drafter forward).
+    """Fit time = fixed + per_token * T for a ragged verify forward, and the drafter's costs.
 
     Runs on spare cache slots' worth of scratch data; called once, lazily, by adaflash mode.
     """
@@ -455,17 +641,28 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         times.append(best)
     per_token = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 1e-9)
     fixed = max(times[0] - per_token * sizes[0], 0.0)
+    per_draft = draft_fixed = 0.0
     if isinstance(engine.proposer, DFlashProposer):
-        # drafting the block costs the same whatever the lengths; its LM head runs per proposal
-        zero = torch.zeros(1, dtype=torch.long, device=engine.device)
-        t0 = time.perf_counter()
-        hidden = engine.proposer.propose(zero, zero, None)
-        fixed += time.perf_counter() - t0
+        # drafting: a part paid once when anyone drafts and a part per drafted request (fitted
+        # from two batch sizes); its LM head runs per proposal
+        draft_times, wide = [], min(8, engine.max_batch_size)
+        for n in (1, wide):
+            zero = torch.zeros(n, dtype=torch.long, device=engine.device)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                hidden = engine.proposer.propose(zero, zero, None, slots=list(range(n)))
+                if engine.drafter.length_head is not None:
+                    engine.drafter.length_head(hidden)
+                best = min(best, time.perf_counter() - t0)
+            draft_times.append(best)
+        per_draft = max((draft_times[1] - draft_times[0]) / max(wide - 1, 1), 0.0)
+        draft_fixed = max(draft_times[0] - per_draft, 0.0)
         head_times = []
         for n in (4, 64):
             rows = torch.zeros(n, dtype=torch.long, device=engine.device)
             t0 = time.perf_counter()
-            engine.proposer.proposal_logits(hidden, rows, rows + 1)
+            engine.proposer.proposal_logits(hidden[:1], rows, rows + 1)
             head_times.append(time.perf_counter() - t0)
         per_token += max((head_times[1] - head_times[0]) / 60, 0.0)
-    return StepCostModel(fixed=fixed, per_token=per_token)
+    return StepCostModel(fixed=fixed, per_token=per_token, per_draft=per_draft, draft_fixed=draft_fixed)

@@ -40,6 +40,18 @@ class SlotKVCache:
         self.k[layer][slots, :, pos] = k.transpose(1, 2)
         self.v[layer][slots, :, pos] = v.transpose(1, 2)
 
+    def write_slots(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store entries for the given slots (any order). slots [n]; positions [n, Q]; k/v [n, kvh, Q, hd]."""
+        pos = positions.clamp(max=self.capacity - 1)
+        self.k[layer][slots[:, None], :, pos] = k.transpose(1, 2)
+        self.v[layer][slots[:, None], :, pos] = v.transpose(1, 2)
+
+    def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the given slots' positions 0..length-1: [n, kvh, length, hd]."""
+        return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
+
     def write_flat(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:

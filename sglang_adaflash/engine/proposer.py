@@ -28,29 +28,37 @@ class DFlashProposer:
         )
 
     @torch.inference_mode()
-    def extend_context(self, target_hidden: torch.Tensor, starts: torch.Tensor, offset: int = 0) -> None:
-        """Append committed tokens' target features. target_hidden [bs, A, K*H] at starts[i]+j.
+    def extend_context(self, target_hidden: torch.Tensor, starts: torch.Tensor, slots: list[int]) -> None:
+        """Append committed tokens' target features for the given cache slots.
 
-        Padded rows past a request's new tokens land beyond its committed length and are
-        overwritten before they are ever read.
+        target_hidden [n, A, K*H] lands at positions starts[i] + j of slot slots[i]. Padded rows
+        past a request's new tokens land beyond its committed length and are overwritten before
+        they are ever read.
         """
         a = target_hidden.shape[1]
         positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
         ctx = self.drafter.project_context(target_hidden)
+        if _consecutive(slots):
+            for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
+                self.cache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=positions.device)
         for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
-            self.cache.write(layer, positions, k, v, offset=offset)
+            self.cache.write_slots(layer, index, positions, k, v)
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.cache.move(src, dst, length)
 
     @torch.inference_mode()
     def propose(
-        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None
+        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None, slots: list[int] | None = None
     ) -> torch.Tensor:
-        """One drafter forward for slots 0..bs-1.
+        """One drafter forward for the requests in cache slots `slots` (default 0..bs-1).
 
         last_tokens [bs]; ctx_lens [bs] committed context per request; histories (the committed
-        token lists) are unused here but let text-based proposers share the interface.
+        token lists) are unused here but let text-based proposers share the interface. Drafting
+        only some of the running requests reads their context by a gather; consecutive
+        slots (the whole running batch) read it as a view.
         Returns the block states [bs, B, H] (final normed); proposal_logits turns the slots that
         will be verified into logits.
         """
@@ -63,10 +71,21 @@ class DFlashProposer:
         ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]  # [bs, C]
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(bs, b)], dim=1)  # [bs, C+B]
         mask = mask[:, None, None, :].expand(bs, 1, b, c + b)
-        ctx_kv = [self.cache.view(layer, bs, c) for layer in range(len(self.drafter.layers))]
+        layers = range(len(self.drafter.layers))
+        if slots is None or _consecutive(slots):
+            first = slots[0] if slots else 0
+            ctx_kv = [self.cache.view(layer, bs, c, offset=first) for layer in layers]
+        else:
+            index = torch.tensor(slots, dtype=torch.long, device=last_tokens.device)
+            ctx_kv = [self.cache.gather(layer, index, c) for layer in layers]
         return self.drafter(embeds, positions, ctx_kv, mask)
 
     @torch.inference_mode()
     def proposal_logits(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of block slot slots[j] of request rows[j] (slot k proposes token k)."""
         return self.drafter.logits(hidden[rows, slots])
+
+
+def _consecutive(slots: list[int]) -> bool:
+    """Consecutive slots (a view of the cache serves them, no gather or scatter)."""
+    return all(b == a + 1 for a, b in zip(slots, slots[1:]))

@@ -28,8 +28,13 @@ class RequestStats:
     verified_tokens: int = 0
     # verify length chosen at every step
     verify_lens: list[int] = field(default_factory=list)
-    # length-head ratio at every step (adaflash only)
+    # predicted E[tau | L] / B at every step (adaflash only): the calibrated head's expectation
+    # for the verify length chosen, 1/B on a step the request was not drafted
     predicted_ratios: list[float] = field(default_factory=list)
+    # whether the drafter ran for this request at every step (adaflash only)
+    drafted: list[bool] = field(default_factory=list)
+    # the raw length head's E[tau] / B on every drafted step (adaflash only)
+    head_ratios: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.accepted_by_position:

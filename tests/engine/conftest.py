@@ -48,7 +48,7 @@ class OracleProposer:
         return out[len(hist): len(hist) + n]
 
     @torch.inference_mode()
-    def propose(self, last, ctx_lens, histories):
+    def propose(self, last, ctx_lens, histories, slots=None):
         b, vocab = self.block_size, self.target.vocab_size
         rows = []
         for hist in histories:

@@ -70,7 +70,7 @@ def test_engine_output_distribution_matches_target(mode, sp):
     target = tiny_target(seed=5, vocab=VOCAB, layers=2)
     drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=4, target_layers=2)
     eng = SpecEngine(target, drafter, mode=mode, max_batch_size=64, max_seq_len=32, seed=123,
-                     cost_model=StepCostModel(0.01, 0.001))
+                     cost_model=StepCostModel(0.01, 0.001), calibrate=False, draft_off=False)
     n = 4000
     outs = eng.run([Request(list(PROMPT), sp) for _ in range(n)])
     samples = [tuple(o.output_ids[:3]) for o in outs]

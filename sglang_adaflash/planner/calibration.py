@@ -1,0 +1,128 @@
+"""Online calibration of the length head from what verification has shown, per request and domain.
+
+Why. The head is trained on some domains and meets others: on math it predicted an acceptance
+ratio three times the real one, with no correlation, and the rule kept paying for drafts it
+believed in. Verification tells us, every step, how each request's proposals actually fared.
+
+Model. A request's proposals survive with probability a (the geometric process the planner
+prices slots with). A step that verified L > 1 slots and accepted n proposals is n survivals and,
+if n < L - 1, one failure. Per request we keep exponentially discounted counts (S survivals,
+F failures) and H, the head's own survival summed over the same trials. The observed rate has a
+Beta posterior mean
+
+    r = (S + k_head * hbar) / (S + F + k_head),        hbar = H / (S + F),
+
+that is, the head's average opinion counts as k_head pseudo-trials. The head still ranks steps
+within a request (one block is easier than the next), so its reading is corrected in log-odds by
+the offset the history shows rather than replaced:
+
+    a = sigmoid(logit(a_head) + logit(r) - logit(hbar)).
+
+With no history the offset is 0 and a is the head's. A request's counts start from its domain's
+(a pooled, more slowly discounted version of the same counts, capped at k_domain pseudo-trials), so
+a new request of a domain the drafter fails on starts calibrated. Requests without a domain share
+one pool.
+
+Before drafting there is no fresh head reading; :meth:`estimate` gives the planner r alone, which
+decides whether drafting the request is worth its cost at all.
+
+All state lives in tensors indexed by cache slot on the engine's device; every method is a few
+vector operations with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_EPS = 1e-4
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.clamp(_EPS, 1 - _EPS)
+    return torch.log(p) - torch.log1p(-p)
+
+
+class SurvivalPosterior:
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        device: torch.device | str = "cpu",
+        decay: float = 0.85,
+        domain_decay: float = 0.98,
+        head_weight: float = 2.0,
+        domain_weight: float = 6.0,
+        max_domains: int = 256,
+    ):
+        self.decay, self.domain_decay = decay, domain_decay
+        self.head_weight, self.domain_weight = head_weight, domain_weight
+        z = dict(dtype=torch.float32, device=device)
+        self.counts = torch.zeros(num_slots, 3, **z)  # per slot: S, F, H
+        self.domain_counts = torch.zeros(max_domains, 3, **z)
+        self.slot_domain = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self._domains: dict[str | None, int] = {None: 0}
+
+    def domain_id(self, domain: str | None) -> int:
+        """A stable small id per domain name; beyond max_domains names share the unknown pool."""
+        if domain not in self._domains:
+            nxt = len(self._domains)
+            self._domains[domain] = nxt if nxt < self.domain_counts.shape[0] else 0
+        return self._domains[domain]
+
+    def reset(self, slots: torch.Tensor, domains: list[str | None]) -> None:
+        """New requests in these slots: no history of their own."""
+        self.counts[slots] = 0
+        ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
+        self.slot_domain[slots] = ids.to(self.slot_domain.device)
+
+    def move(self, src: int, dst: int) -> None:
+        self.counts[dst] = self.counts[src]
+        self.slot_domain[dst] = self.slot_domain[src]
+
+    def _pooled(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, 3] the request's counts plus its domain's, the latter capped at domain_weight trials."""
+        own = self.counts[slots]
+        dom = self.domain_counts[self.slot_domain[slots]]
+        trials = dom[:, 0] + dom[:, 1]
+        scale = self.domain_weight / trials.clamp(min=self.domain_weight)
+        return own + dom * scale[:, None]
+
+    def _rate(self, pooled: torch.Tensor, head_mean: torch.Tensor) -> torch.Tensor:
+        s, f = pooled[:, 0], pooled[:, 1]
+        return (s + self.head_weight * head_mean) / (s + f + self.head_weight)
+
+    def estimate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(survival r [n], known [n] bool) for the planner's draft-or-not decision."""
+        pooled = self._pooled(slots)
+        trials = pooled[:, 0] + pooled[:, 1]
+        known = trials > 0.5
+        head_mean = pooled[:, 2] / trials.clamp(min=_EPS)
+        return self._rate(pooled, head_mean), known
+
+    def calibrate(self, slots: torch.Tensor, head_survival: torch.Tensor) -> torch.Tensor:
+        """The head's survival for these slots, corrected by their history: [n]."""
+        pooled = self._pooled(slots)
+        trials = pooled[:, 0] + pooled[:, 1]
+        h = head_survival.float()
+        head_mean = torch.where(trials > 0, pooled[:, 2] / trials.clamp(min=_EPS), h)
+        offset = _logit(self._rate(pooled, head_mean)) - _logit(head_mean)
+        return torch.sigmoid(_logit(h) + offset)
+
+    def observe(
+        self,
+        slots: torch.Tensor,
+        head_survival: torch.Tensor,
+        num_accepted: torch.Tensor,
+        verify_lens: torch.Tensor,
+    ) -> None:
+        """Fold one verify step in. Rows that verified no proposal (L = 1) carry no evidence."""
+        n = num_accepted.float()
+        cand = (verify_lens.to(n.device) - 1).float()
+        seen = cand > 0
+        fail = (n < cand).float()
+        trials = n + fail
+        obs = torch.stack([n, fail, head_survival.float() * trials], dim=1) * seen[:, None]
+        keep = torch.where(seen, self.decay, 1.0)[:, None]
+        self.counts[slots] = self.counts[slots] * keep + obs
+        self.domain_counts.mul_(self.domain_decay)
+        self.domain_counts.index_add_(0, self.slot_domain[slots], obs)

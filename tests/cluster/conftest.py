@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,9 +20,8 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(HERE))
 
 import controlplane as cp  # noqa: E402
+from controlplane import OPERATOR_SA, RELEASE, RELEASE_NS  # noqa: E402
 
-RELEASE, RELEASE_NS = "adaflash", "adaflash-system"
-OPERATOR_SA = "adaflash"  # the chart's ServiceAccount for release `adaflash`
 TICK = "0.5"
 
 
@@ -86,21 +84,7 @@ def _ok(fn: Callable[[], Any]) -> bool:
         return False
 
 
-def _wait(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except (KeyError, TypeError, IndexError, StopIteration) as e:
-            last = e
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-wait_for = _wait
+_wait = cp.wait_for
 
 
 @pytest.fixture()

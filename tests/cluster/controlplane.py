@@ -22,15 +22,34 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".cache" / "tools"
+RELEASE, RELEASE_NS = "adaflash", "adaflash-system"  # the chart's release in the tests
+OPERATOR_SA = "adaflash"  # the chart's ServiceAccount for release `adaflash`
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 ADMIN_TOKEN = "adaflash-test-admin"
 CONTROLLERS = ("garbagecollector,deployment,replicaset,job,cronjob,serviceaccount,namespace,"
                "root-ca-cert-publisher,pvc-protection,ttl-after-finished")
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0,
+             every: float = 0.2) -> Any:
+    """Poll `fn` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (KeyError, TypeError, IndexError, StopIteration) as e:
+            last = e
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 def missing() -> str | None:

@@ -14,8 +14,7 @@ import time
 
 import pytest
 from adaflash_operator import contract as c
-from conftest import RELEASE, RELEASE_NS, wait_for
-from controlplane import Api, ApiError
+from controlplane import RELEASE, RELEASE_NS, Api, ApiError, wait_for
 
 pytestmark = pytest.mark.apiserver
 

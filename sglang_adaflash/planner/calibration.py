@@ -48,9 +48,9 @@ class SurvivalPosterior:
         num_slots: int,
         *,
         device: torch.device | str = "cpu",
-        decay: float = 0.85,
+        decay: float = 0.9,
         domain_decay: float = 0.98,
-        head_weight: float = 2.0,
+        head_weight: float = 1.0,
         domain_weight: float = 6.0,
         max_domains: int = 256,
     ):

@@ -111,7 +111,7 @@ def plan_lengths(
         else cap.to(dev).long().clamp(1, block_size)
     )
     lo = cap.clamp(max=max(min_len, 1))
-    off = torch.as_tensor(allow_off, device=dev).expand(bs)
+    off = torch.as_tensor(allow_off, device=dev).expand(bs) | (lo == 1)
     allowed = (lens[None] >= lo[:, None]) & (lens[None] <= cap[:, None])
     allowed |= (lens[None] == 1) & off[:, None]
     gains = _gains(survival, block_size)  # [bs, B]

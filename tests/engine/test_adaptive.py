@@ -1,0 +1,240 @@
+"""The adaptive parts: the planner's optimality, online calibration, draft-off, probing and the
+drafter context's lazy catch-up. Each check comes with a control that a wrong version fails."""
+
+import itertools
+
+import pytest
+import torch
+
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner import (
+    PlanCost,
+    SurvivalPosterior,
+    expected_tau,
+    plan_lengths,
+)
+
+from .conftest import OracleProposer
+from .test_lossless_greedy import _prompts
+
+# -- the planner ---------------------------------------------------------------------------
+
+
+def _value(a, lens, cost: PlanCost) -> float:
+    lens = torch.as_tensor(lens)
+    tokens = float(expected_tau(a, lens).sum())
+    drafted = lens > 1
+    seconds = (cost.fixed + cost.draft_fixed * bool(drafted.any()) + cost.per_token * float(lens.sum())
+               + cost.per_draft * int(drafted.sum()))
+    return tokens / seconds
+
+
+def _best_by_enumeration(a, block, cost, min_len, cap, allow_off):
+    options = []
+    for i in range(len(a)):
+        lo = min(min_len, int(cap[i]))
+        opts = set(range(lo, int(cap[i]) + 1)) | ({1} if allow_off[i] else set())
+        options.append(sorted(opts))
+    return max(_value(a, combo, cost) for combo in itertools.product(*options))
+
+
+def _cases(n):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        bs = int(torch.randint(1, 4, (1,), generator=g))
+        block = int(torch.randint(2, 6, (1,), generator=g))
+        a = torch.rand(bs, generator=g) ** 2
+        cost = PlanCost(
+            fixed=float(torch.rand(1, generator=g)) * 0.02,
+            per_token=0.0005 + float(torch.rand(1, generator=g)) * 0.004,
+            per_draft=float(torch.rand(1, generator=g)) * 0.01,
+            draft_fixed=float(torch.rand(1, generator=g)) * 0.01,
+        )
+        min_len = int(torch.randint(1, 3, (1,), generator=g))
+        cap = torch.randint(1, block + 1, (bs,), generator=g)
+        allow_off = torch.rand(bs, generator=g) < 0.8
+        yield a, block, cost, min_len, cap, allow_off
+
+
+def test_planner_is_optimal_by_brute_force():
+    for a, block, cost, min_len, cap, allow_off in _cases(300):
+        lens = plan_lengths(a, block, cost, min_len=min_len, cap=cap, allow_off=allow_off)
+        lo = torch.minimum(torch.full_like(cap, min_len), cap)
+        assert ((lens <= cap) & ((lens >= lo) | ((lens == 1) & allow_off))).all(), (lens, cap, allow_off)
+        best = _best_by_enumeration(a, block, cost, min_len, cap, allow_off)
+        assert _value(a, lens, cost) >= best * (1 - 1e-5), (a, cost, lens, best)
+
+
+def test_brute_force_check_rejects_a_rule_blind_to_draft_costs():
+    """Control: the rule without its draft-cost terms (the old slot-greedy rule) is caught."""
+    caught = 0
+    for a, block, cost, min_len, cap, allow_off in _cases(300):
+        blind = plan_lengths(a, block, PlanCost(cost.fixed, cost.per_token), min_len=min_len, cap=cap,
+                             allow_off=allow_off)
+        best = _best_by_enumeration(a, block, cost, min_len, cap, allow_off)
+        caught += _value(a, blind, cost) < best * (1 - 1e-5)
+    assert caught > 10
+
+
+def test_planner_drafts_nobody_when_drafts_fail_and_everyone_when_they_succeed():
+    cost = PlanCost(fixed=0.02, per_token=0.0005, per_draft=0.001, draft_fixed=0.002)
+    assert plan_lengths(torch.full((8,), 0.02), 16, cost, min_len=2).tolist() == [1] * 8
+    assert (plan_lengths(torch.full((8,), 0.9), 16, cost, min_len=2) > 1).all()
+    mixed = plan_lengths(torch.tensor([0.02, 0.9, 0.02, 0.9]), 16, cost, min_len=2)
+    assert mixed[0] == mixed[2] == 1 and mixed[1] > 2 and mixed[3] > 2
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+def _simulate(post, slot, true_a, head_a, steps, block, g):
+    """Verify whole blocks of a geometric process with survival true_a; the head says head_a."""
+    slots = torch.tensor([slot])
+    taus = []
+    for _ in range(steps):
+        n = 0
+        while n < block - 1 and float(torch.rand(1, generator=g)) < true_a:
+            n += 1
+        taus.append(n + 1)
+        post.observe(slots, torch.tensor([head_a]), torch.tensor([n]), torch.tensor([block]))
+    return taus
+
+
+@pytest.mark.parametrize("true_a, head_a", [(0.05, 0.75), (0.8, 0.4), (0.5, 0.5)])
+def test_calibration_follows_the_requests_history(true_a, head_a):
+    block, g = 16, torch.Generator().manual_seed(1)
+    post = SurvivalPosterior(4)
+    post.reset(torch.tensor([0]), ["math"])
+    slot = torch.tensor([0])
+    assert torch.allclose(post.calibrate(slot, torch.tensor([head_a])), torch.tensor([head_a]), atol=1e-4)
+    _simulate(post, 0, true_a, head_a, 64, block, g)
+    taus = _simulate(post, 0, true_a, head_a, 200, block, torch.Generator().manual_seed(2))
+    cal = post.calibrate(slot, torch.tensor([head_a]))
+    predicted = float(expected_tau(cal, torch.tensor([block]))) / block
+    actual = sum(taus) / len(taus) / block
+    raw = float(expected_tau(torch.tensor([head_a]), torch.tensor([block]))) / block
+    assert abs(predicted - actual) < 0.05 + 0.25 * actual, (predicted, actual)
+    if abs(true_a - head_a) > 0.2:  # control: the uncalibrated head is this far off
+        assert abs(raw - actual) > 0.1
+    # a step the head rates higher stays higher after calibration
+    lo, hi = post.calibrate(slot.repeat(2), torch.tensor([head_a * 0.8, min(head_a * 1.2, 0.99)]))
+    assert hi > lo
+
+
+def test_a_new_request_starts_from_its_domains_history():
+    post = SurvivalPosterior(4)
+    post.reset(torch.tensor([0, 1]), ["math", "code"])
+    g = torch.Generator().manual_seed(3)
+    _simulate(post, 0, 0.02, 0.75, 40, 16, g)
+    post.reset(torch.tensor([0, 2]), ["math", "math"])  # two fresh math requests
+    rate, known = post.estimate(torch.tensor([0, 1, 2]))
+    assert known.tolist() == [True, False, True]  # the code request has no history yet
+    assert rate[0] < 0.2 and rate[2] < 0.2
+    post.move(2, 3)
+    assert torch.allclose(post.estimate(torch.tensor([3]))[0], rate[2:3])
+
+
+# -- draft-off in the engine ---------------------------------------------------------------
+
+DEAR_DRAFTS = StepCostModel(fixed=0.01, per_token=0.001, per_draft=0.004, draft_fixed=0.004)
+
+
+def _engine(target, drafter, proposer=None, **kw):
+    kw.setdefault("cost_model", DEAR_DRAFTS)
+    return SpecEngine(target, drafter, mode="adaflash", max_batch_size=3, max_seq_len=160, proposer=proposer, **kw)
+
+
+def _ar(target, prompts, max_new):
+    eng = SpecEngine(target, None, mode="ar", max_batch_size=3, max_seq_len=160)
+    return [o.output_ids for o in eng.run([Request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts])]
+
+
+def test_failing_drafts_are_switched_off_losslessly(target, drafter):
+    """A random drafter accepts ~nothing: after its first reads a request is drafted only on
+    probes, verifies only its bonus token otherwise, and the output is still exactly ar's."""
+    prompts = _prompts(5, seed=13)
+    ar = _ar(target, prompts, 40)
+    eng = _engine(target, drafter, probe_every=4)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=40)) for p in prompts])
+    assert [o.output_ids for o in outs] == ar
+    drafted = [d for o in outs for d in o.stats.drafted]
+    assert sum(drafted) < 0.4 * len(drafted)
+    for o in outs:
+        st = o.stats
+        assert all(v == 1 for v, d in zip(st.verify_lens, st.drafted) if not d)
+        later = st.drafted[8:]
+        assert any(later), "probes must keep drafting now and then"
+    # control: with draft-off disabled every step drafts
+    always = _engine(target, drafter, draft_off=False).run([Request(p, SamplingParams(max_new_tokens=40)) for p in prompts])
+    assert [o.output_ids for o in always] == ar
+    assert all(all(o.stats.drafted[:-1]) for o in always)  # the last token cannot be drafted
+
+
+class _WakingProposer(OracleProposer):
+    """Wrong on every proposal until a request has `wake` output tokens, exact afterwards."""
+
+    def __init__(self, *a, prompt_len, wake, **k):
+        super().__init__(*a, error_rate=0.0, **k)
+        self.prompt_len, self.wake = prompt_len, wake
+
+    def propose(self, last, ctx_lens, histories, slots=None):
+        states = super().propose(last, ctx_lens, histories, slots)
+        for i, hist in enumerate(histories):
+            if len(hist) - self.prompt_len < self.wake:
+                self._props[i] = (self._props[i] + 1) % self.target.vocab_size
+        return states
+
+
+def test_probing_notices_a_request_that_starts_accepting(target, drafter):
+    prompt = _prompts(1, seed=17)[0]
+    prop = _WakingProposer(target, drafter, prompt_len=len(prompt), wake=30)
+    eng = _engine(target, drafter, proposer=prop, probe_every=4)
+    out = eng.run([Request(prompt, SamplingParams(max_new_tokens=110))])[0]
+    assert out.output_ids == _ar(target, [prompt], 110)[0]
+    st = out.stats
+    produced = [1 + sum(st.accept_lens[:k]) for k in range(st.steps)]
+    asleep = [d for d, n in zip(st.drafted, produced) if 8 < n < 30]
+    awake = [(d, a) for d, a, n in zip(st.drafted, st.accept_lens, produced) if n >= 30 + 4 * 4 * 2]
+    assert sum(asleep) < len(asleep) / 2, "wrong drafts must be switched off"
+    assert awake and all(d for d, _ in awake) and sum(a for _, a in awake) > 3 * len(awake), awake
+
+
+def _head_ratio_on_fresh_context(target, drafter, ids):
+    """The head's ratio for the block after `ids`, the drafter context built in one prefill."""
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=1, max_seq_len=160,
+                     cost_model=StepCostModel(0.01, 0.001), calibrate=False, draft_off=False)
+    return eng.run([Request(ids, SamplingParams(max_new_tokens=3))])[0].stats.head_ratios[0]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_drafter_context_catches_up_after_draft_off(target, drafter, broken, monkeypatch):
+    """After steps without drafting, the drafter sees exactly the context it would have seen had
+    it been fed every step (checked through the head, against a context built by prefill).
+    Control (broken=True): skipping the catch-up is detected."""
+    if broken:
+        def forget(self, seqs, rows):  # drops the backlog instead of feeding it to the drafter
+            for i in rows:
+                seqs[i].pending = 0
+
+        monkeypatch.setattr(SpecEngine, "_catch_up", forget)
+    prompts = _prompts(2, seed=19)
+    eng = _engine(target, drafter, probe_every=3)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=30)) for p in prompts])
+    checked, differ = 0, 0
+    for p, o in zip(prompts, outs):
+        st, ratios = o.stats, iter(o.stats.head_ratios)
+        for k, d in enumerate(st.drafted):
+            if not d:
+                continue
+            r = next(ratios)
+            if k == 0 or st.drafted[k - 1]:
+                continue  # only steps right after undrafted ones needed a catch-up
+            j = sum(st.accept_lens[:k])  # output tokens whose K/V were committed before step k
+            ref = _head_ratio_on_fresh_context(target, drafter, p + o.output_ids[:j])
+            checked += 1
+            differ += abs(ref - r) > 1e-6
+    assert checked >= 3
+    assert (differ > 0) == broken

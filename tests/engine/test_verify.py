@@ -123,3 +123,27 @@ def test_filtered_probs_topk_topp():
     assert torch.allclose(p, torch.tensor([[0.5 / 0.75, 0.25 / 0.75, 0, 0]]))
     p = filtered_probs(logits, t, torch.tensor([0]), torch.tensor([0.4]))
     assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0]]))
+
+
+def _bonus_samples(n, vocab, seed, slot_probs):
+    """Rows whose 2 proposals are always accepted (q = p): what is drawn after them?"""
+    g = torch.Generator().manual_seed(seed)
+    p = slot_probs.expand(n, -1, -1)  # [n, 3, V]: slots 0, 1 predict proposals 1, 2; slot 2 the bonus
+    d1 = torch.multinomial(p[:, 0], 1, generator=g).squeeze(1)
+    d2 = torch.multinomial(p[:, 1], 1, generator=g).squeeze(1)
+    res = verify_sampling(torch.stack([d1, d2], 1), p[:, :2], p, torch.full((n,), 2), generator=g)
+    assert (res.num_accepted == 2).all()
+    return res.tokens[:, 2]
+
+
+def test_sampling_bonus_comes_from_the_slot_after_the_last_proposal():
+    vocab, n = 6, 50_000
+    g = torch.Generator().manual_seed(8)
+    slot_probs = torch.softmax(torch.randn(3, vocab, generator=g) * 2, -1)
+    bonus = _bonus_samples(n, vocab, 1, slot_probs)
+    counts = torch.bincount(bonus, minlength=vocab).double()
+    assert _pvalue(counts, slot_probs[2]) > 1e-3
+    # control: the same check rejects a bonus drawn from the wrong slot
+    assert _pvalue(counts, slot_probs[1]) < 1e-6
+    greedy = verify_greedy(torch.tensor([[1, 2]]), _logits_for([[1, 2, 5]]), torch.tensor([2]))
+    assert greedy.to_lists() == [[1, 2, 5]]  # greedy bonus: the argmax at slot K

@@ -1,0 +1,172 @@
+"""Adaptive verification on the embedded pair: ar, dflash and adaflash side by side in one run.
+
+Workloads (held-out prompts): in-domain (code + prose), math only (the drafter never saw math),
+and all three mixed in thirds. For every workload and concurrency c it serves max(2c, prompts)
+requests (prompts cycled, freed slots refilled) in each mode, repeats interleaved, and records
+throughput, tau, verify lengths, how often adaflash drafted, the calibration error of its
+predictions, and token-for-token equality with `ar` (T=0) of every run.
+
+    .venv/bin/python benchmarks/adaptive/run.py --out benchmarks/adaptive/results.json
+
+Each timed run starts with a cold calibration state (no domain history), so every figure includes
+the steps spent learning; the online cost model is kept across runs of one engine, as a server
+keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
+from sglang_adaflash.cli.generate import make_engine
+from sglang_adaflash.cli.loading import load_pair
+from sglang_adaflash.cli.prompts import read_prompts, resolve_prompt_ids
+from sglang_adaflash.engine.engine import EngineStats
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner.calibration import SurvivalPosterior
+
+MODES = ("ar", "dflash", "adaflash")
+WARM_STEPS = 32  # calibration is judged after a request's first 32 steps
+
+
+def workloads(per_domain: int) -> dict[str, list]:
+    code = read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:per_domain]
+    prose = read_prompts(WORKLOADS_DIR / "prose.heldout.jsonl")[:per_domain]
+    math = read_prompts(WORKLOADS_DIR / "math.heldout.jsonl")[: 2 * per_domain]
+    mixed = [p for trio in zip(code, prose, math[:per_domain]) for p in trio]
+    in_domain = [p for pair in zip(code, prose) for p in pair]
+    return {"in_domain": in_domain, "math": math, "mixed": mixed}
+
+
+def calibration(outs, block: int) -> dict:
+    """|predicted - actual tau/B| per step after each request's first WARM_STEPS steps."""
+    all_err, drafted_err, pred, act = [], [], [], []
+    for o in outs:
+        s = o.stats
+        for k, (p, a, d) in enumerate(zip(s.predicted_ratios, s.accept_lens, s.drafted)):
+            if k < WARM_STEPS:
+                continue
+            e = abs(p - a / block)
+            all_err.append(e)
+            pred.append(p)
+            act.append(a / block)
+            if d:
+                drafted_err.append(e)
+
+    def mean(x):
+        return sum(x) / len(x) if x else None
+
+    return {
+        "steps": len(all_err),
+        "mae": mean(all_err),
+        "drafted_steps": len(drafted_err),
+        "mae_drafted": mean(drafted_err),
+        "bias": abs(mean(pred) - mean(act)) if pred else None,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--workloads", default="in_domain,math,mixed")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--per-domain", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
+    block = pair.drafter.config.block_size
+    stop = tuple(pair.stop_token_ids)
+    rows, equality_ok = [], True
+    loads = workloads(args.per_domain)
+    for wname in args.workloads.split(","):
+        specs = loads[wname]
+        prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in specs]
+        max_seq = max(len(p) for p, _ in prompts) + args.max_new_tokens
+        for c in conc:
+            n = max(args.waves * c, len(prompts))
+
+            def requests(prompts=prompts, n=n):
+                return [Request(list(prompts[i % len(prompts)][0]),
+                                SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop),
+                                f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
+
+            engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
+            for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
+                e.run(requests()[: min(2, n)])
+            tput = {m: [] for m in modes}
+            first = {}
+            for rep in range(args.repeats):
+                order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+                for m in order:
+                    e = engines[m]
+                    e.stats = EngineStats()
+                    if e.posterior is not None:  # cold calibration: no history carried over
+                        e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
+                    t0 = time.perf_counter()
+                    outs = e.run(requests())
+                    wall = time.perf_counter() - t0
+                    ids = [o.output_ids for o in outs]
+                    tput[m].append(sum(len(x) for x in ids) / wall)
+                    if m == "ar":
+                        first.setdefault("ar", ids)
+                    elif "ar" in first and ids != first["ar"]:
+                        equality_ok = False
+                        print(f"T=0 MISMATCH: {wname} c={c} {m} repeat {rep}", file=sys.stderr)
+                    if rep == 0:
+                        steps = sum(o.stats.steps for o in outs)
+                        verified = sum(o.stats.verified_tokens for o in outs)
+                        drafted = sum(sum(o.stats.drafted) for o in outs)
+                        first[m + "_stats"] = {
+                            "tau": sum(o.stats.committed_tokens for o in outs) / steps,
+                            "mean_verify_len": verified / steps,
+                            "drafted_share": drafted / steps if m == "adaflash" else (1.0 if m == "dflash" else 0.0),
+                            "calibration": calibration(outs, block) if m == "adaflash" else None,
+                        }
+            med = {m: statistics.median(tput[m]) for m in modes}
+            best = max(med.get("ar", 0.0), med.get("dflash", 0.0))
+            for m in modes:
+                row = {"workload": wname, "concurrency": c, "mode": m, "requests": n,
+                       "throughput_tok_s": med[m], "samples": tput[m], **first[m + "_stats"]}
+                if m == "adaflash" and best:
+                    row["vs_best_fixed"] = med[m] / best
+                rows.append(row)
+            line = "  ".join(f"{m} {med[m]:7.1f}" for m in modes)
+            extra = ""
+            if "adaflash" in modes and best:
+                cal = first["adaflash_stats"]["calibration"]
+                extra = (f"  ada/max {med['adaflash'] / best:.3f}  drafted {first['adaflash_stats']['drafted_share']:.2f}"
+                         f"  mae {cal['mae'] if cal['mae'] is None else round(cal['mae'], 4)}"
+                         f"  mae(drafted) {cal['mae_drafted'] if cal['mae_drafted'] is None else round(cal['mae_drafted'], 4)}")
+            print(f"{wname:9s} c={c:3d}  {line}{extra}", flush=True)
+    doc = {
+        "command": "benchmarks/adaptive/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": vars(args),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": args.threads, "machine": platform.machine()},
+        "equality_ok": equality_ok,
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print("T=0 equality with ar in every run:", "OK" if equality_ok else "FAILED")
+    return 0 if equality_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

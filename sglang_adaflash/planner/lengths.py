@@ -101,6 +101,7 @@ def plan_lengths(
     cap [bs]: the most slots a request may verify (e.g. the tokens it may still generate);
     allow_off: whether a request may verify only its bonus token (False: L >= min(min_len, cap)).
     """
+    survival = survival.detach()
     bs, dev = survival.shape[0], survival.device
     if bs == 0:
         return torch.zeros(0, dtype=torch.long, device=dev)

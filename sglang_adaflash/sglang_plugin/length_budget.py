@@ -1,7 +1,8 @@
 """From the drafter's block states to the target's verify work, for one decode step.
 
     draft hidden [bs*B, H] --length head--> ratio [bs]
-        --load-aware rule (engine.length_policy), or the paper's rule--> verify lengths L [bs]
+        --the shared planner (sglang_adaflash.planner: load-aware or paper rule, the same code
+          the reference engine runs, on the device)--> verify lengths L [bs]
         --SGLang RaggedVerifyLayout--> packed (compact) verify of sum(L) tokens
         --SGLang ScatterCompactToStrided--> logits / hidden back to [bs*B] for DFlash's accept
         --cap_candidates--> acceptance stops at L_i - 1 proposals
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_adaflash.drafter.length_head import AdaptiveLengthHead, candidate_lengths
-from sglang_adaflash.engine.length_policy import StepCostModel, choose_verify_lengths
+from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
+from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.planner.lengths import LENGTH_RULES
+from sglang_adaflash.planner.lengths import plan_verify_lengths as shared_plan
 
 #: A token id no target can predict: capped slots hold it so greedy acceptance stops there.
 NEVER_ACCEPTED = -1
@@ -69,9 +72,6 @@ def head_ratio(head: AdaptiveLengthHead, draft_hidden: torch.Tensor, bs: int, bl
         return head(hidden)
 
 
-LENGTH_RULES = ("load_aware", "paper")
-
-
 def plan_verify_lengths(
     ratio: torch.Tensor,
     block_size: int,
@@ -82,26 +82,30 @@ def plan_verify_lengths(
     rule: str = "load_aware",
     max_len: Sequence[int] | None = None,
 ) -> list[int]:
-    """ratio [bs] -> verify lengths [bs], by the same rules as the reference engine:
+    """ratio [bs] -> verify lengths [bs], by the reference engine's own planner:
 
-    - ``load_aware`` (default): ``engine.length_policy.choose_verify_lengths``, which keeps the
-      verify slots worth their cost for this batch size;
+    - ``load_aware`` (default): :func:`sglang_adaflash.planner.lengths.plan_lengths`, which keeps
+      the verify slots worth their cost for this batch size (every request here is drafted);
     - ``paper``: AdaFlash's ``clamp(round(ratio * B * rate), min_len, B)``.
 
-    ``max_len`` [bs] caps each request (e.g. the tokens it may still generate).
+    ``max_len`` [bs] caps each request (e.g. the tokens it may still generate). The planner runs
+    on ratio's device without synchronising; the one copy to the host is SGLang's ragged layout
+    needing the lengths there.
     """
-    ratio = ratio.detach().float().cpu()  # CPU-GPU sync: the host must know the token bucket
-    cap = torch.full((ratio.shape[0],), block_size, dtype=torch.long)
-    if max_len is not None:
-        cap = torch.minimum(cap, torch.tensor(list(max_len), dtype=torch.long).clamp(min=1))
-    if rule == "paper":
-        lens = torch.minimum(candidate_lengths(ratio, block_size, rate=rate, min_len=min_len), cap)
-    elif rule == "load_aware":
-        if cost is None:
-            raise ValueError("the load_aware rule needs a step cost model")
-        lens = choose_verify_lengths(ratio, block_size, cost, min_len=min_len, max_len=cap)
-    else:
+    if rule not in LENGTH_RULES:
         raise ValueError(f"length rule must be one of {LENGTH_RULES}, found {rule!r}")
+    cap = None
+    if max_len is not None:
+        cap = torch.tensor(list(max_len), dtype=torch.long).clamp(1, block_size).to(ratio.device, non_blocking=True)
+    lens = shared_plan(
+        ratio.detach().float(),
+        block_size,
+        rule=rule,
+        cost=cost.plan_cost() if cost is not None and rule == "load_aware" else None,
+        rate=rate,
+        min_len=min_len,
+        cap=cap,
+    )
     return [int(n) for n in lens.tolist()]
 
 

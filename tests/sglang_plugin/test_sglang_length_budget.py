@@ -95,3 +95,30 @@ def test_planner_follows_head_and_load():
     assert no_head.plan(hidden, 4, greedy=True).is_uniform
     with pytest.raises(ValueError, match="length rule"):
         lb.VerifyPlanner(None, block, rate=1.3, min_len=2, cost=None, rule="magic")
+
+
+def test_plugin_plans_are_the_engines_on_cpu_tensors():
+    """The plugin's planner and the reference engine's step run the same planner: for the same
+    block states, head and cost they choose the same lengths. Control: the paper rule differs."""
+    from sglang_adaflash.engine.engine import SpecBatch, SpecEngine
+    from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
+
+    target, drafter = tiny_target(), tiny_drafter()
+    block, cfg = drafter.config.block_size, drafter.config
+    cost = StepCostModel(fixed=2e-3, per_token=4e-4)
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=6, max_seq_len=64, cost_model=cost,
+                     calibrate=False, draft_off=False)
+    hidden = torch.randn(6, block, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cap = torch.tensor([block, block, 3, block, 1, block])
+    drafted = [i for i in range(6) if cap[i] > 1]
+    spec = SpecBatch(torch.ones(6, dtype=torch.long), drafted=drafted)
+    with torch.inference_mode():
+        eng._verify_lengths(spec, hidden[drafted], cap)
+    planner = lb.VerifyPlanner(drafter.length_head, block, rate=cfg.length_head_rate, min_len=cfg.length_head_min_len,
+                               cost=cost)
+    plan = planner.plan(hidden.reshape(6 * block, -1), 6, greedy=True, max_len=cap.tolist())
+    assert plan.verify_lens_cpu == spec.lengths.tolist()
+    assert len(set(plan.verify_lens_cpu)) > 2  # the rule made real choices here
+    paper = lb.VerifyPlanner(drafter.length_head, block, rate=cfg.length_head_rate, min_len=cfg.length_head_min_len,
+                             cost=cost, rule="paper")
+    assert paper.plan(hidden.reshape(6 * block, -1), 6, greedy=True, max_len=cap.tolist()).verify_lens_cpu != plan.verify_lens_cpu

@@ -99,7 +99,7 @@ def is_loopback(host: str) -> bool:
 
 def mount_admin(app, env: MutableMapping[str, str], host: str) -> None:
     """``GET/POST /adaflash/v1/drafter``, as in the SGLang pod, with the loopback rule above."""
-    admin_http.add_routes(app, env)
+    admin_http.add_routes(app, env, open_without_token=is_loopback(host))
     app.add_middleware(AdminGuard, env=env, loopback=is_loopback(host))
 
 

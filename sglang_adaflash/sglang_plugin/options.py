@@ -59,7 +59,8 @@ ENV_VARS: dict[str, str] = {
     "ADAFLASH_POD_REPORT_S": "seconds between updates of the acceptance-tau and traffic-records "
     "pod annotations (default 15)",
     "ADAFLASH_ADMIN_OVERRIDE_FILE": "file written by POST /adaflash/v1/drafter (highest priority)",
-    "ADAFLASH_ADMIN_TOKEN": "when set, POST /adaflash/v1/drafter needs 'Authorization: Bearer <token>'",
+    "ADAFLASH_ADMIN_TOKEN": "POST /adaflash/v1/drafter needs 'Authorization: Bearer <token>'; unset: POST is refused",
+    "ADAFLASH_BLOCKED_VERSIONS_FILE": "'<version> <phase>' lines the admin call refuses without force (the operator's ConfigMap key)",
     "ADAFLASH_FOLLOW_LATEST": "1 to follow drafters/latest when nothing else names a version",
     "ADAFLASH_LOADED_VERSION_FILE": "status JSON of the loaded version (GET /adaflash/v1/drafter)",
     "ADAFLASH_RELOAD_POLL_S": "seconds between checks of the desired version (default 5)",

@@ -38,6 +38,8 @@ and need not know the module layout.
 from __future__ import annotations
 
 from .admin import (
+    BlockedVersion,
+    read_blocked_versions,
     read_status,
     set_override,
 )
@@ -51,9 +53,11 @@ from .apply import (
 )
 from .contract import (
     ACCEPTANCE_TAU_ANNOTATION,
+    BLOCKED_VERSIONS_FILE,
     DEFAULT_HOME,
     DESIRED_ANNOTATION,
     ENV_ANNOTATIONS_FILE,
+    ENV_BLOCKED_VERSIONS_FILE,
     ENV_FLEET_VERSION_FILE,
     ENV_FOLLOW_LATEST,
     ENV_HOME,
@@ -72,6 +76,7 @@ from .contract import (
     LOAD_ERROR_ANNOTATION,
     LOADED_ANNOTATION,
     MAX_ERROR_CHARS,
+    OVERRIDE_ANNOTATION,
     POD_ANNOTATIONS_FILE,
     TRAFFIC_RECORDS_ANNOTATION,
     ReloadError,
@@ -114,6 +119,11 @@ from .staging import (
 
 __all__ = [
     "ACCEPTANCE_TAU_ANNOTATION",
+    "BLOCKED_VERSIONS_FILE",
+    "BlockedVersion",
+    "ENV_BLOCKED_VERSIONS_FILE",
+    "OVERRIDE_ANNOTATION",
+    "read_blocked_versions",
     "CompositeTarget",
     "DEFAULT_HOME",
     "DESIRED_ANNOTATION",

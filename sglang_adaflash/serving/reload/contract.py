@@ -30,17 +30,22 @@ ENV_POLL_S = "ADAFLASH_RELOAD_POLL_S"
 ENV_SYNC_STEPS = "ADAFLASH_RELOAD_SYNC_STEPS"
 ENV_REQUIRE_MANIFEST = "ADAFLASH_RELOAD_REQUIRE_MANIFEST"
 ENV_POD_REPORT_S = "ADAFLASH_POD_REPORT_S"
+#: Versions the admin call refuses without ``force`` (the operator's ConfigMap key, mounted).
+ENV_BLOCKED_VERSIONS_FILE = "ADAFLASH_BLOCKED_VERSIONS_FILE"
 
 DEFAULT_HOME = "/var/lib/adaflash"
 # Where the operator mounts the fleet ConfigMap key and the downward-API annotations.
 FLEET_VERSION_FILE = "/etc/adaflash/fleet/drafter-version"
 POD_ANNOTATIONS_FILE = "/etc/adaflash/pod/annotations"
+BLOCKED_VERSIONS_FILE = "/etc/adaflash/fleet/blocked-drafter-versions"
 
 # Pod annotations. Written by the operator (canary pods only; overrides the fleet version):
 DESIRED_ANNOTATION = "adaflash.io/desired-drafter-version"
 # Written by the serving pod on itself:
 LOADED_ANNOTATION = "adaflash.io/loaded-drafter-version"
 LOAD_ERROR_ANNOTATION = "adaflash.io/drafter-load-error"  # "<version>: <reason>"
+#: The version an admin override asks this pod for (absent without one): the operator shows it.
+OVERRIDE_ANNOTATION = "adaflash.io/drafter-override"
 ACCEPTANCE_TAU_ANNOTATION = "adaflash.io/acceptance-tau"  # decimal string
 TRAFFIC_RECORDS_ANNOTATION = "adaflash.io/traffic-records"  # integer string
 #: Longest load-error reason written to the annotation (the API limits all annotations to 256 KiB).

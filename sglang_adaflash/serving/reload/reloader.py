@@ -105,7 +105,11 @@ class HotReloader:
         if found is None:
             return self._staged
         version, origin = found
-        self.status.desired_version, self.status.desired_from = version, origin
+        if (version, origin) != (self.status.desired_version, self.status.desired_from):
+            # Reported even when nothing is to load: an override naming the loaded version
+            # (or cleared back to it) must still reach the operator.
+            self.status.desired_version, self.status.desired_from = version, origin
+            self._report()
         if self.status.last_error and self.status.last_error_version not in (None, version):
             # The desired version moved off the one that failed (a rollback, a newer version):
             # the error no longer describes what this pod is asked to serve.

@@ -28,6 +28,7 @@ from .contract import (
     LOAD_ERROR_ANNOTATION,
     LOADED_ANNOTATION,
     MAX_ERROR_CHARS,
+    OVERRIDE_ANNOTATION,
     ReloadError,
 )
 from .source import read_optional_text
@@ -78,6 +79,8 @@ class PodAnnotationReporter:
     - ``adaflash.io/loaded-drafter-version``: the version served now;
     - ``adaflash.io/drafter-load-error``: ``"<version>: <reason>"`` after a failed load, removed
       after a successful one (and when the desired version moves off the failed one);
+    - ``adaflash.io/drafter-override``: the version an admin override asks for, removed when
+      the override is cleared;
     - ``adaflash.io/acceptance-tau`` and ``adaflash.io/traffic-records``: set through
       :meth:`update` by the periodic publisher (:mod:`sglang_adaflash.serving.pod_status`).
 
@@ -160,6 +163,12 @@ class PodAnnotationReporter:
         out[LOAD_ERROR_ANNOTATION] = (
             load_error_value(status.get("last_error_version"), error) if error else None
         )
+        # An admin override outranks the operator's decisions: say so where the operator looks.
+        if "desired_from" in status:
+            origin = str(status.get("desired_from") or "")
+            out[OVERRIDE_ANNOTATION] = (
+                str(status.get("desired_version")) if origin.startswith("admin override") else None
+            )
         return out
 
     def patch_body(self, annotations: Mapping[str, str | None]) -> dict[str, Any]:

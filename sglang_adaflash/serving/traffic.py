@@ -255,10 +255,24 @@ def recover_partial(path: Path, report: ReadReport | None = None) -> Path | None
     good = b"".join(kept)
     if good != data:
         write_bytes_atomic(path, good)  # the partial name throughout: never two copies
+        _restrict(path, FILE_MODE)
     final = _closed_name(path)
     os.replace(path, final)
     fsync_dir(path.parent)
     return final
+
+
+#: Traffic holds what users sent (token ids decode to the text), so only the writer's user and
+#: group read it: the serving pods and the distillation job of a service share uid and fsGroup.
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+def _restrict(path: Path, mode: int) -> None:
+    try:
+        os.chmod(path, mode)
+    except PermissionError:  # made by another user (a shared traffic/): theirs to set
+        logger.debug("traffic: cannot set mode %o on %s", mode, path)
 
 
 class TrafficWriter:
@@ -284,6 +298,8 @@ class TrafficWriter:
             raise TrafficError(f"max_records must be at least 1, found {max_records}")
         self.dir = Path(home) / "traffic" / writer
         self.dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.dir.parent, self.dir):
+            _restrict(d, DIR_MODE)
         self.max_records = max_records
         self.max_age_s = max_age_s
         self.include_text = include_text
@@ -334,7 +350,10 @@ class TrafficWriter:
     def _open_shard(self) -> None:
         self._path = self.dir / f"{self._next_seq:08d}{PARTIAL_SUFFIX}"
         self._next_seq += 1
-        self._file = open(self._path, "x")  # never reuse a name
+        # "x": never reuse a name. The mode is explicit, not left to the umask (see FILE_MODE).
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
+        self._file = open(fd, "w")
         self._count = 0
         self._opened_at = self._clock()
 

@@ -320,3 +320,31 @@ def test_concurrent_writers_threads_produce_whole_lines(tmp_path):
     w.close()
     ids = [r["id"] for r in iter_records(tmp_path / "traffic" / "w")]
     assert len(ids) == 80 and len(set(ids)) == 80
+
+
+def test_traffic_is_readable_by_owner_and_group_only(tmp_path):
+    """Whatever the process umask (0 here: everything world-readable by default), shards and
+    directories keep other users out; recovered shards too."""
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        w = TrafficWriter(tmp_path, "pod-a", max_records=2)
+        for i in range(3):
+            w.write(rec(i))
+        w.close()
+        d = tmp_path / "traffic" / "pod-a"
+        (d / "00000009.jsonl.partial").write_text(
+            json.dumps(rec(9).to_json(False)) + "\n" + '{"torn')
+        TrafficWriter(tmp_path, "pod-a").close()  # recovers the torn shard
+    finally:
+        os.umask(old)
+
+    def mode(p):
+        return stat.S_IMODE(p.stat().st_mode)
+
+    assert mode(tmp_path / "traffic") == 0o750 and mode(d) == 0o750
+    shards = sorted(d.iterdir())
+    assert len(shards) == 3 and all(p.suffix == ".jsonl" for p in shards)
+    assert {p.name: mode(p) for p in shards} == {p.name: 0o640 for p in shards}

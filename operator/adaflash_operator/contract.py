@@ -22,6 +22,13 @@ FLEET_VERSION_KEY = "drafter-version"
 # ConfigMap key naming the serving pods' ServiceAccount (read by the chart's admission policy).
 SERVING_ACCOUNT_KEY = "serving-service-account"
 FLEET_VERSION_FILE = f"{CONTROL_DIR}/fleet/{FLEET_VERSION_KEY}"
+# ConfigMap key (a file next to the fleet version) listing the versions the admin call refuses
+# without force: one "<version> <phase>" line per Rejected or RolledBack DrafterVersion.
+BLOCKED_VERSIONS_KEY = "blocked-drafter-versions"
+BLOCKED_VERSIONS_FILE = f"{CONTROL_DIR}/fleet/{BLOCKED_VERSIONS_KEY}"
+BLOCKED_PHASES = ("Rejected", "RolledBack")
+# The per-service Secret's key holding the admin bearer token.
+ADMIN_TOKEN_KEY = "token"
 # Downward-API file with all pod annotations ("key=\"value\"" lines).
 POD_ANNOTATIONS_FILE = f"{CONTROL_DIR}/pod/annotations"
 
@@ -32,6 +39,7 @@ LOADED_VERSION = "adaflash.io/loaded-drafter-version"  # what it serves now (doc
 LOAD_ERROR = "adaflash.io/drafter-load-error"  # "<version>: <reason>" after a failed load
 ACCEPTANCE_TAU = "adaflash.io/acceptance-tau"  # live mean acceptance length, decimal string
 TRAFFIC_RECORDS = "adaflash.io/traffic-records"  # records this pod logged since it started
+OVERRIDE = "adaflash.io/drafter-override"  # the version an admin override asks this pod for
 
 # Labels.
 LABEL_SERVICE = "adaflash.io/service"  # the owning AdaFlashService's name
@@ -49,6 +57,9 @@ ENV_FLEET_VERSION_FILE = "ADAFLASH_FLEET_VERSION_FILE"
 # The fleet's version when the container started (from the ConfigMap; the launch path uses it).
 ENV_FLEET_VERSION = "ADAFLASH_START_DRAFTER_VERSION"
 ENV_POD_ANNOTATIONS_FILE = "ADAFLASH_POD_ANNOTATIONS_FILE"
+ENV_BLOCKED_VERSIONS_FILE = "ADAFLASH_BLOCKED_VERSIONS_FILE"
+# The admin endpoint's bearer token (from the Secret); without it the endpoint refuses POST.
+ENV_ADMIN_TOKEN = "ADAFLASH_ADMIN_TOKEN"
 
 # The distillation Job's container writes its report (JSON) here; Kubernetes copies it into the
 # terminated container state's `message` (at most 4096 bytes).

@@ -111,7 +111,8 @@ def _tau_map(desc: str) -> Schema:
     return _map(desc, {"type": "number", "minimum": 0})
 
 
-_CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and DistillationFailed).", _obj(
+_CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and DistillationFailed, "
+                    "AdminOverride).", _obj(
     "A condition.",
     {
         "type": _str("Condition type."),
@@ -240,6 +241,8 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
                                {"type": "integer"}),
     "newRecords": _int("Traffic records logged since the last round."),
     "lastError": _str("Why the last Job failed."),
+    "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff)."),
+    "message": _str("Detail of idleReason."),
 })
 
 _POD_STATUS = _obj("What one serving pod reports.", {
@@ -249,6 +252,8 @@ _POD_STATUS = _obj("What one serving pod reports.", {
     "loadedVersion": _str("Version the pod reports it serves."),
     "tau": _num("Live acceptance length the pod reports.", minimum=0),
     "loadError": _str("Last load failure the pod reported."),
+    "override": _str("Version an admin override (POST /adaflash/v1/drafter) asks this pod for; "
+                     "the rollout does not steer the pod while it is set."),
 })
 
 SERVICE_STATUS: Schema = _obj("Observed state.", {

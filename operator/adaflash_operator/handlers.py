@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 from typing import Any
 
 import kopf
@@ -146,28 +147,58 @@ def _keep_claim_spec(desired: dict, live: dict) -> dict:
 
 
 def _keep_fleet_version(desired: dict, live: dict) -> dict:
-    """The fleet version in the ConfigMap belongs to the rollout; reconciling keeps it."""
-    version = (live.get("data") or {}).get(c.FLEET_VERSION_KEY)
-    if not version:
-        return desired
-    return {**desired, "data": {**desired["data"], c.FLEET_VERSION_KEY: version}}
+    """The fleet version and the blocked versions in the ConfigMap belong to the rollout;
+    reconciling keeps them."""
+    data = live.get("data") or {}
+    keep = {}
+    if data.get(c.FLEET_VERSION_KEY):
+        keep[c.FLEET_VERSION_KEY] = data[c.FLEET_VERSION_KEY]
+    if c.BLOCKED_VERSIONS_KEY in data:
+        keep[c.BLOCKED_VERSIONS_KEY] = data[c.BLOCKED_VERSIONS_KEY]
+    return {**desired, "data": {**desired["data"], **keep}}
 
 
-async def reconcile_children(owner: dict, s: spec_mod.ServiceSpec) -> tuple[dict, str]:
-    """Ensure every child; return (the Deployment, the fleet version in the ConfigMap)."""
+# Admin Secrets this process created or found: (namespace, name, owner uid).
+_admin_secrets: set[tuple[str, str, str]] = set()
+
+
+async def ensure_admin_secret(owner: dict) -> None:
+    """Create the serving pods' admin token once. The operator may only create Secrets (it
+    reads none: least privilege), so an existing Secret of that name is kept as it is, which
+    also lets an administrator bring their own token. A deleted one comes back when the
+    operator restarts."""
+    meta = owner["metadata"]
+    key = (meta["namespace"], manifests.admin_secret_name(meta["name"]), meta["uid"])
+    if key in _admin_secrets:
+        return
+    try:
+        await kube.create(manifests.admin_secret(owner, secrets.token_urlsafe(32)))
+    except kube.ApiError as e:
+        if e.status != 409:
+            raise
+    _admin_secrets.add(key)
+
+
+async def reconcile_children(owner: dict, s: spec_mod.ServiceSpec) -> tuple[dict, dict]:
+    """Ensure every child; return (the Deployment, the ConfigMap's data: the fleet version and
+    the blocked versions)."""
     uid = owner["metadata"]["uid"]
     if not s.existing_claim:
         await ensure(manifests.pvc(owner, s), uid, _keep_claim_spec)
     cm = await ensure(manifests.configmap(owner, s.pinned_version or s.initial_version), uid,
                       _keep_fleet_version)
-    fleet = (cm.get("data") or {}).get(c.FLEET_VERSION_KEY) or s.initial_version
+    data = dict(cm.get("data") or {})
+    data[c.FLEET_VERSION_KEY] = data.get(c.FLEET_VERSION_KEY) or s.initial_version
+    # Before the Deployment: its pods take the token from it (a pod whose Secret is missing
+    # does not start).
+    await ensure_admin_secret(owner)
     await ensure(manifests.service_account(owner), uid)
     await ensure(manifests.role(owner), uid)
     await ensure(manifests.role_binding(owner), uid)
     dep = await ensure(manifests.deployment(owner, s), uid)
     await ensure(manifests.service(owner, s), uid)
     await ensure(manifests.retention_cronjob(owner, s), uid)
-    return dep, fleet
+    return dep, data
 
 
 def _owner(body: kopf.Body) -> dict:
@@ -209,7 +240,7 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     gen = body["metadata"].get("generation")
     conds = list(status.get("conditions") or [])
     try:
-        dep, fleet = await reconcile_children(owner, s)
+        dep, fleet_data = await reconcile_children(owner, s)
     except Conflict as e:
         conds = set_condition(conds, "Degraded", True, "ChildConflict", str(e), now, gen)
         conds = set_condition(conds, "Ready", False, "ChildConflict", str(e), now, gen)
@@ -217,6 +248,7 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
         metrics.RECONCILES.labels("conflict").inc()
         raise kopf.TemporaryError(str(e), delay=30) from e
     metrics.RECONCILES.labels("ok").inc()
+    fleet = fleet_data[c.FLEET_VERSION_KEY]
     pods = [p for p in await kube.list_("Pod", ns, manifests.selector(name))
             if not (p.get("metadata") or {}).get("deletionTimestamp")]
     infos = [rollout.PodInfo.from_pod(p) for p in pods]
@@ -231,8 +263,11 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     patch.status["tau"] = tau
     patch.status["pods"] = [{k: v for k, v in {
         "name": p.name, "ready": p.ready, "desiredVersion": p.desired,
-        "loadedVersion": p.loaded, "tau": p.tau, "loadError": p.error}.items() if v is not None}
+        "loadedVersion": p.loaded, "tau": p.tau, "loadError": p.error,
+        "override": p.override}.items() if v is not None}
         for p in sorted(infos, key=lambda p: p.name)]
+    conds = _override_condition(body, conds, infos, fleet, fleet_data.get(
+        c.BLOCKED_VERSIONS_KEY) or "", now, gen)
     if s.replicas == 0:
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
     elif ready >= s.replicas:
@@ -246,7 +281,29 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     if tau is not None:
         metrics.LIVE_TAU.labels(ns, name).set(tau)
     logger.debug(f"reconciled: deployment {dep['metadata']['name']}, fleet {fleet}")
-    return s, fleet, infos
+    return s, fleet_data, infos
+
+
+def _override_condition(body: dict, conds: list, infos: list, fleet: str, blocked_text: str,
+                        now: str, gen: int | None) -> list:
+    """AdminOverride: True while a pod serves (or is asked for) a version an admin call chose
+    over the operator's; a Warning event when that starts."""
+    blocked = dict(line.split(" ", 1) for line in blocked_text.splitlines() if " " in line)
+    over = sorted((p for p in infos if p.override), key=lambda p: p.name)
+    if not over:
+        return set_condition(conds, "AdminOverride", False, "NoOverride",
+                             "no serving pod runs an admin override", now, gen)
+    parts = []
+    for p in over:
+        note = f", {blocked[p.override]} by the operator" if p.override in blocked else ""
+        parts.append(f"{p.name} -> {p.override}{note} (loaded {p.loaded or 'nothing yet'})")
+    msg = (f"{len(over)} pod(s) run an admin override instead of the fleet's {fleet}: "
+           f"{'; '.join(parts)}; clear it with POST /adaflash/v1/drafter "
+           '{"version": null}')
+    was = get_condition(conds, "AdminOverride")
+    if not was or was.get("status") != "True":
+        kopf.warn(body, reason="AdminOverride", message=msg)
+    return set_condition(conds, "AdminOverride", True, "PodsOverridden", msg, now, gen)
 
 
 class _StatusPatch:
@@ -345,13 +402,14 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     result = await _reconcile(body, st, patch, logger)
     if result is None:
         return
-    s, fleet, infos = result
+    s, fleet_data, infos = result
+    fleet = fleet_data[c.FLEET_VERSION_KEY]
     owner = _owner(body)
     conds = patch.status.get("conditions") or st.get("conditions") or []
     patch.status["conditions"] = conds
     conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
-    conds = await _rollout(owner, body, s, fleet, infos, st, patch, conds, logger)
+    conds = await _rollout(owner, body, s, fleet_data, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
 
 
@@ -439,6 +497,15 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         trig = distill.should_start(s.distillation, active_job=None, new=n_new,
                                     last_round_at=last, retrying=failures > 0,
                                     retry_after=rollout.parse_ts(d.get("retryAfter")), now=now)
+        if s.distillation.enabled and not s.log_traffic:
+            # The pods write no traffic: a round would learn from nothing, or from what an
+            # earlier setting left on the volume, which is not what the switch says.
+            trig = distill.Trigger(False, "TrafficLoggingOff")
+            new.update(idleReason="TrafficLoggingOff", message=(
+                "spec.serving.logTraffic is false: the serving pods log no traffic, so "
+                "distillation has nothing to learn from and starts no rounds"))
+        else:
+            new.update(idleReason=None, message=None)
         if trig.start:
             retry = failures > 0
             round_ = int(d.get("round") or 0) + (0 if retry else 1)
@@ -539,10 +606,11 @@ def _candidate(dv: dict) -> rollout.Candidate:
                              parent_tau=dict(ev.get("parentTau") or {}))
 
 
-async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet: str,
+async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_data: dict,
                    infos: list, st: dict, patch: kopf.Patch, conds: list,
                    logger: logging.Logger) -> list:
     ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
+    fleet = fleet_data[c.FLEET_VERSION_KEY]
     gen = body["metadata"].get("generation")
     now = _now()
     dvs = [x for x in await kube.list_(c.DRAFTER_KIND, ns, {c.LABEL_SERVICE: name})
@@ -566,9 +634,16 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet:
                 (dv.get("status") or {}).get("phase") == "Serving":
             d.phases[version] = rollout.PhaseChange("Retired", "Replaced",
                                                     f"the fleet serves {d.serving}")
+    # The versions the pods' admin call refuses without force, as they are after this step.
+    phases = {v: (dv.get("status") or {}).get("phase") for v, dv in by_version.items()}
+    phases.update({v: ch.phase for v, ch in d.phases.items() if v in by_version})
+    blocked = manifests.blocked_versions(
+        [{"spec": {"version": v}, "status": {"phase": ph}} for v, ph in phases.items()])
     # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).
+    if d.serving != fleet or manifests.blocked_text(blocked) != fleet_data.get(
+            c.BLOCKED_VERSIONS_KEY):
+        await kube.apply(manifests.configmap(owner, d.serving, blocked))
     if d.serving != fleet:
-        await kube.apply(manifests.configmap(owner, d.serving))
         patch.status["servingVersion"] = d.serving
         metrics.set_serving(ns, name, d.serving)
     for pod, version in sorted(d.annotate.items()):
@@ -616,3 +691,5 @@ def forget(name: str, namespace: str, **_: Any) -> None:
     metrics.forget(namespace, name)
     for key in [k for k in _applied if k[1] == namespace]:
         _applied.pop(key, None)
+    for secret in [k for k in _admin_secrets if k[0] == namespace]:
+        _admin_secrets.discard(secret)

@@ -46,6 +46,7 @@ RESOURCES = {
     "ConfigMap": ("v1", "configmaps"),
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
+    "Secret": ("v1", "secrets"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     "Deployment": ("apps/v1", "deployments"),
     "Job": ("batch/v1", "jobs"),

@@ -2,7 +2,8 @@
 
 Names, for an AdaFlashService `NAME`:
     NAME-home          PersistentVolumeClaim (unless spec.storage.existingClaim)
-    NAME-drafter       ConfigMap with the fleet's drafter version
+    NAME-drafter       ConfigMap with the fleet's drafter version and the blocked versions
+    NAME-admin         Secret with the bearer token of the serving pods' admin endpoint
     NAME-serving       ServiceAccount, Role and RoleBinding of the serving pods
     NAME               Deployment and Service
     NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars)
@@ -15,7 +16,9 @@ manager `adaflash-operator`): a field the builder stops emitting is removed from
 
 from __future__ import annotations
 
+import base64
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 from . import contract as c
@@ -77,6 +80,10 @@ def serving_account_name(name: str) -> str:
     return f"{name}-serving"
 
 
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
 def short_name(base: str, suffix: str, limit: int = 63) -> str:
     """`base + suffix`, with `base` cut and given a hash when the whole exceeds `limit`
     (Job names become pod labels: 63 characters at most)."""
@@ -134,16 +141,49 @@ def pvc(owner: Manifest, spec: ServiceSpec) -> Manifest:
     return body
 
 
-def configmap(owner: Manifest, version: str) -> Manifest:
-    """The fleet version; also the parameter of the chart's serving-pod admission policy, which
-    learns from `serving-service-account` which account is this service's serving pods'."""
+def blocked_text(blocked: Mapping[str, str]) -> str:
+    """The blocked-versions file: ``<version> <phase>`` lines, sorted, so that the same set
+    always applies the same bytes (no needless writes)."""
+    return "".join(f"{v} {blocked[v]}\n" for v in sorted(blocked))
+
+
+def blocked_versions(drafter_versions: list[Manifest]) -> dict[str, str]:
+    """version -> phase of the DrafterVersions the gate or a rollback took out of service."""
+    out = {}
+    for dv in drafter_versions:
+        phase = (dv.get("status") or {}).get("phase")
+        version = (dv.get("spec") or {}).get("version")
+        if version and phase in c.BLOCKED_PHASES:
+            out[version] = phase
+    return out
+
+
+def configmap(owner: Manifest, version: str, blocked: Mapping[str, str] | None = None) -> Manifest:
+    """The fleet version and the versions the pods' admin call refuses without force (both read
+    by the pods from the mounted files); also the parameter of the chart's serving-pod admission
+    policy, which learns from `serving-service-account` which account is this service's serving
+    pods'."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(configmap_name(name), ns, "serving", owner),
         "data": {c.FLEET_VERSION_KEY: version,
+                 c.BLOCKED_VERSIONS_KEY: blocked_text(blocked or {}),
                  c.SERVING_ACCOUNT_KEY: serving_account_name(name)},
+    }
+
+
+def admin_secret(owner: Manifest, token: str) -> Manifest:
+    """The serving pods' admin token. The operator generates it once and keeps it (see
+    handlers); it never calls the admin endpoint itself, so only the pods read it."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(admin_secret_name(name), ns, "serving", owner),
+        "type": "Opaque",
+        "data": {c.ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -222,7 +262,7 @@ def server_args(spec: ServiceSpec) -> list[str]:
     return args + list(spec.extra_args)
 
 
-def _env(spec_env: list, fleet_configmap: str) -> list[Manifest]:
+def _env(spec_env: list, fleet_configmap: str, admin_secret: str) -> list[Manifest]:
     return [
         {"name": c.ENV_HOME, "value": c.HOME},
         {"name": c.ENV_FLEET_VERSION, "valueFrom": {"configMapKeyRef": {
@@ -232,6 +272,9 @@ def _env(spec_env: list, fleet_configmap: str) -> list[Manifest]:
          "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": c.ENV_FLEET_VERSION_FILE, "value": c.FLEET_VERSION_FILE},
         {"name": c.ENV_POD_ANNOTATIONS_FILE, "value": c.POD_ANNOTATIONS_FILE},
+        {"name": c.ENV_BLOCKED_VERSIONS_FILE, "value": c.BLOCKED_VERSIONS_FILE},
+        {"name": c.ENV_ADMIN_TOKEN, "valueFrom": {"secretKeyRef": {
+            "name": admin_secret, "key": c.ADMIN_TOKEN_KEY}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{c.HOME}/hf-cache"},
         {"name": "SGLANG_PLUGINS", "value": "adaflash"},
@@ -248,6 +291,13 @@ LIVENESS_PROBE_PATH = "/health_generate"
 LIVENESS_TIMEOUT_S = 30
 
 
+# SGLang creates its request log (the traffic) with the process umask: 027 keeps it, and the
+# directories it makes, away from other users (0640 files, 0750 directories; the pods of this
+# service share uid and fsGroup). `exec` keeps SGLang as the container's main process.
+SERVING_COMMAND = ["sh", "-c", 'umask 027 && exec python -m sglang.launch_server "$@"',
+                   "sglang"]
+
+
 def _probe(path_: str, **kw: int) -> Manifest:
     return {"httpGet": {"path": path_, "port": "http"}, **kw}
 
@@ -259,9 +309,9 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
         "name": c.SERVING_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["python", "-m", "sglang.launch_server"],
+        "command": SERVING_COMMAND,
         "args": server_args(spec),
-        "env": _env(spec.env, configmap_name(name)),
+        "env": _env(spec.env, configmap_name(name), admin_secret_name(name)),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "resources": _resources(spec.resources, spec.gpus),
         "startupProbe": _probe(STARTUP_PROBE_PATH, periodSeconds=10, timeoutSeconds=5,

@@ -42,6 +42,7 @@ class PodInfo:
     tau: float | None = None
     error: str | None = None
     records: int = 0
+    override: str | None = None  # an admin override's version: the operator does not steer it
 
     @classmethod
     def from_pod(cls, pod: dict) -> PodInfo:
@@ -57,6 +58,7 @@ class PodInfo:
             tau=_float(ann.get(c.ACCEPTANCE_TAU)),
             error=ann.get(c.LOAD_ERROR) or None,
             records=_int(ann.get(c.TRAFFIC_RECORDS)),
+            override=ann.get(c.OVERRIDE) or None,
         )
 
 
@@ -226,10 +228,13 @@ def step(*, cfg: Rollout, pinned: str, serving: str, state: dict | None,
         d.events.append(("Normal", "GatePassed", msg))
     state = {"version": v, "phase": "Gate", "reason": reason, "message": msg}
     d.state = state
-    ready = sorted(p.name for p in pods if p.ready)
+    # A pod on an admin override would not load the candidate (the override outranks the
+    # canary annotation), and the version would be rolled back for it: never a canary.
+    ready = sorted(p.name for p in pods if p.ready and not p.override)
     if not ready:
         d.state = {**state, "reason": "NoReadyPods",
-                   "message": f"{v} passed the gate; waiting for a ready serving pod"}
+                   "message": f"{v} passed the gate; waiting for a ready serving pod without "
+                              f"an admin override"}
         return d
     n = max(1, math.ceil(cfg.canary_fraction * len(ready)))
     canary = ready[:n]

@@ -226,7 +226,7 @@ def annotate(cl: Cluster, ns: str, pod: str, **ann: str | None) -> None:
     """Play a serving pod's reload agent: annotate its own pod (keys: loaded, tau, error,
     records)."""
     keys = {"loaded": c.LOADED_VERSION, "tau": c.ACCEPTANCE_TAU, "error": c.LOAD_ERROR,
-            "records": c.TRAFFIC_RECORDS}
+            "records": c.TRAFFIC_RECORDS, "override": c.OVERRIDE}
     cl.patch("Pod", ns, pod, {"metadata": {"annotations": {keys[k]: v for k, v in ann.items()}}})
 
 

@@ -70,7 +70,8 @@ def ns(real_cluster: None) -> Iterator[str]:
 def afs_yaml(ns: str, **over) -> str:
     spec = {"model": {"target": "Qwen/Qwen3-8B"}, "replicas": 1,
             "serving": {"image": os.environ.get("ADAFLASH_E2E_SERVING_IMAGE", "busybox:1.36"),
-                        "gpus": 1 if os.environ.get("ADAFLASH_E2E_SERVING_IMAGE") else 0},
+                        "gpus": 1 if os.environ.get("ADAFLASH_E2E_SERVING_IMAGE") else 0,
+                        "logTraffic": True},
             "storage": {"size": "1Gi", "accessMode": "ReadWriteOnce"},
             "distillation": {"image": "python:3.11-slim", "gpus": 0, "minNewRecords": 1,
                              "intervalSeconds": 1, "backoffSeconds": 5}}

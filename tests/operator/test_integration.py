@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:Deprec
 # Owned by the AdaFlashService; the shared volume's claim is kept unless asked (CLAIM).
 CHILDREN = [("ConfigMap", "qwen-drafter"), ("ServiceAccount", "qwen-serving"),
             ("Role", "qwen-serving"), ("RoleBinding", "qwen-serving"), ("Deployment", "qwen"),
-            ("Service", "qwen"), ("CronJob", "qwen-retention")]
+            ("Service", "qwen"), ("CronJob", "qwen-retention"), ("Secret", "qwen-admin")]
 CLAIM = ("PersistentVolumeClaim", "qwen-home")
 
 
@@ -50,7 +50,7 @@ def operator(namespace: str, *extra: str) -> Iterator[KopfRunner]:
 
 def afs(namespace: str, name: str = "qwen", **spec_over) -> dict:
     spec = {"model": {"target": "Qwen/Qwen3-8B"}, "replicas": 2,
-            "serving": {"image": "ghcr.io/example/adaflash-sglang:0.1"},
+            "serving": {"image": "ghcr.io/example/adaflash-sglang:0.1", "logTraffic": True},
             "distillation": {"minNewRecords": 100, "backoffSeconds": 1},
             "rollout": {"canaryFraction": 0.5, "bakeSeconds": 1, "loadTimeoutSeconds": 20}}
     spec.update(spec_over)
@@ -192,6 +192,9 @@ def test_worse_candidate_is_rejected(cluster: Cluster, namespace: str, kubeconfi
         assert "< required" in dv["status"]["message"]
         assert desired(cluster, ns) == {} and fleet_version(cluster, ns) == "v000001"
         assert status(cluster, ns)["rollout"]["phase"] == "Rejected"
+        # The pods' admin call learns it from the fleet ConfigMap (mounted next to the version).
+        wait_for("v000002 in the blocked versions", lambda: cluster.get(
+            "ConfigMap", ns, "qwen-drafter")["data"][c.BLOCKED_VERSIONS_KEY] == "v000002 Rejected\n")
 
 
 def test_load_failure_during_canary_rolls_back(cluster: Cluster, namespace: str,
@@ -446,3 +449,72 @@ def test_a_job_without_a_node_is_pending_not_running(cluster: Cluster, namespace
         wait_for("Running", lambda: condition(cluster, ns, "Progressing").get(
             "reason") == "Distilling")
         assert status(cluster, ns)["distillation"]["activeJobPhase"] == "Running"
+
+
+def test_the_admin_token_secret_is_made_once_and_reaches_the_pods(cluster: Cluster,
+                                                                  namespace: str,
+                                                                  kubeconfig) -> None:
+    import base64
+
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        secret = wait_for("the admin Secret", lambda: cluster.get("Secret", ns, "qwen-admin"))
+        token = base64.b64decode(secret["data"][c.ADMIN_TOKEN_KEY]).decode()
+        assert len(token) >= 32
+        dep = wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[c.ENV_ADMIN_TOKEN]["valueFrom"] == {"secretKeyRef": {
+            "name": "qwen-admin", "key": c.ADMIN_TOKEN_KEY}}
+        assert env[c.ENV_BLOCKED_VERSIONS_FILE]["value"] == c.BLOCKED_VERSIONS_FILE
+    with operator(ns):  # a restarted operator keeps the token the pods and people hold
+        kubelet_start_pods(cluster, ns, "qwen")
+        wait_for("2 ready pods", lambda: status(cluster, ns).get("readyReplicas") == 2)
+        assert cluster.get("Secret", ns, "qwen-admin")["data"] == secret["data"]
+
+
+def test_a_pod_on_an_admin_override_shows_in_status_and_is_no_canary(cluster: Cluster,
+                                                                     namespace: str,
+                                                                     kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        wait_for("no override", lambda: condition(cluster, ns, "AdminOverride").get(
+            "status") == "False")
+        annotate(cluster, ns, pods[0], override="v000001")
+        cond = wait_for("the override condition", lambda: (
+            c_ := condition(cluster, ns, "AdminOverride")).get("status") == "True" and c_)
+        assert cond["reason"] == "PodsOverridden" and pods[0] in cond["message"]
+        assert "v000001" in cond["message"]
+        by_name = {p["name"]: p for p in status(cluster, ns)["pods"]}
+        assert by_name[pods[0]]["override"] == "v000001" and "override" not in by_name[pods[1]]
+        # A candidate's canary goes to the pod without an override.
+        publish(cluster, ns, pods, report("v000002"))
+        wait_for("a canary", lambda: desired(cluster, ns))
+        assert desired(cluster, ns) == {pods[1]: "v000002"}
+        annotate(cluster, ns, pods[0], override=None)
+        wait_for("the override cleared", lambda: condition(cluster, ns, "AdminOverride").get(
+            "status") == "False")
+        assert "override" not in {p["name"]: p for p in status(cluster, ns)["pods"]}[pods[0]]
+
+
+def test_with_traffic_logging_off_distillation_says_it_has_nothing_to_learn(
+        cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns, serving={"image": "x", "logTraffic": False},
+                           distillation={"minNewRecords": 1, "intervalSeconds": 1}))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        dep = cluster.get("Deployment", ns, "qwen")
+        assert "--log-requests" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        for p in pods:
+            annotate(cluster, ns, p, records="500")
+        d = wait_for("the idle reason", lambda: (
+            x := status(cluster, ns).get("distillation") or {}).get("idleReason") and x)
+        assert d["idleReason"] == "TrafficLoggingOff" and "nothing to learn" in d["message"]
+        time.sleep(2)  # several ticks past the record count and the interval
+        assert not cluster.list("Job", ns, {c.LABEL_SERVICE: "qwen"})
+        assert not (status(cluster, ns).get("distillation") or {}).get("activeJob")

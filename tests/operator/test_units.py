@@ -52,7 +52,7 @@ def test_deployment_follows_the_hot_reload_contract() -> None:
     pod = dep["spec"]["template"]["spec"]
     (ctr,) = pod["containers"]
     args = ctr["args"]
-    assert ctr["command"] == ["python", "-m", "sglang.launch_server"]
+    assert ctr["command"] == manifests.SERVING_COMMAND
     assert args[args.index("--speculative-algorithm") + 1] == "ADAFLASH"
     # New pods start on the fleet's version, read from the ConfigMap when the container starts.
     assert args[args.index("--speculative-draft-model-path") + 1] == \
@@ -375,3 +375,37 @@ def test_crds_command_writes_the_chart_files(tmp_path, capsys) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(crds.CRD_FILES)
     assert main(["crds"]) == 0
     assert capsys.readouterr().out.count("kind: CustomResourceDefinition") == 2
+
+
+def test_the_serving_command_runs_sglang_under_umask_027(tmp_path) -> None:
+    """The command as the kubelet runs it, with a stand-in `python` on PATH: SGLang's request
+    log (the traffic) is created under this umask, and the arguments arrive intact."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\numask\nfor a in "$@"; do echo "[$a]"; done\n')
+    fake.chmod(0o755)
+    out = subprocess.run([*manifests.SERVING_COMMAND, "--model-path", "a b", "--port", "1"],
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "0027"
+    assert out[1:7] == ["[-m]", "[sglang.launch_server]", "[--model-path]", "[a b]", "[--port]",
+                        "[1]"]
+
+
+def test_admin_secret_and_blocked_versions() -> None:
+    import base64
+
+    sec = manifests.admin_secret(OWNER, "tok-1")
+    assert sec["metadata"]["name"] == "qwen-admin" and sec["type"] == "Opaque"
+    assert base64.b64decode(sec["data"][c.ADMIN_TOKEN_KEY]) == b"tok-1"
+    assert sec["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+    dvs = [{"spec": {"version": v}, "status": {"phase": ph}} for v, ph in [
+        ("v000004", "RolledBack"), ("v000002", "Rejected"), ("v000003", "Retired"),
+        ("v000005", "Serving"), ("v000006", None)]]
+    blocked = manifests.blocked_versions(dvs)
+    assert blocked == {"v000002": "Rejected", "v000004": "RolledBack"}
+    cm = manifests.configmap(OWNER, "v000005", blocked)
+    assert cm["data"][c.BLOCKED_VERSIONS_KEY] == "v000002 Rejected\nv000004 RolledBack\n"
+    assert manifests.configmap(OWNER, "v000005")["data"][c.BLOCKED_VERSIONS_KEY] == ""

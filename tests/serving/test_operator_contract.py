@@ -63,6 +63,23 @@ def test_paths_agree():
     assert rl.DEFAULT_HOME == c.HOME
     assert rl.FLEET_VERSION_FILE == c.FLEET_VERSION_FILE
     assert rl.POD_ANNOTATIONS_FILE == c.POD_ANNOTATIONS_FILE
+    assert rl.BLOCKED_VERSIONS_FILE == c.BLOCKED_VERSIONS_FILE
+    assert rl.ENV_BLOCKED_VERSIONS_FILE == c.ENV_BLOCKED_VERSIONS_FILE
+    assert rl.OVERRIDE_ANNOTATION == c.OVERRIDE
+
+
+def test_the_pod_reads_the_blocked_versions_the_operator_writes(tmp_path):
+    from adaflash_operator import manifests
+
+    from sglang_adaflash.sglang_plugin.http import ENV_ADMIN_TOKEN
+
+    assert ENV_ADMIN_TOKEN == c.ENV_ADMIN_TOKEN
+    blocked = {"v000002": "Rejected", "v000004": "RolledBack"}
+    text = manifests.configmap({"metadata": {"name": "q", "namespace": "n", "uid": "u"}},
+                               "v000003", blocked)["data"][c.BLOCKED_VERSIONS_KEY]
+    (tmp_path / "blocked").write_text(text)
+    assert rl.read_blocked_versions(tmp_path / "blocked") == blocked
+    assert rl.read_blocked_versions(tmp_path / "absent") == {}
 
 
 def test_both_documents_use_the_operator_names():
@@ -99,6 +116,8 @@ def _rendered_env(pod="serve-abc", namespace="ml") -> tuple[dict, dict]:
             env[e["name"]] = e["value"]
         elif "configMapKeyRef" in e["valueFrom"]:  # the fleet ConfigMap's version
             env[e["name"]] = "v000001"
+        elif "secretKeyRef" in e["valueFrom"]:  # the admin Secret's token
+            env[e["name"]] = "token-from-the-secret"
         else:
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
     return env, dep
@@ -350,3 +369,28 @@ def test_async_reports_reach_the_api_in_order(tmp_path):
         time.sleep(0.01)
     assert api.annotations[c.LOADED_VERSION] == v1
     assert c.LOAD_ERROR not in api.annotations
+
+
+def test_an_admin_override_reaches_the_operator_and_leaves_with_it(tmp_path):
+    """Also when the override names the version already loaded (nothing to reload), which is
+    how an override pins a pod against later rollouts."""
+    from adaflash_operator.rollout import PodInfo
+
+    home = tmp_path / "home"
+    v1 = publish_random(home, seed=1)
+    cfg = drafter_config()
+    fleet, override = tmp_path / "drafter-version", tmp_path / "override"
+    fleet.write_text(v1)
+    api = FakeAPI()
+    reloader = rl.HotReloader(
+        source=rl.DesiredVersionSource(home=home, version_file=fleet, override_file=override),
+        target=rl.ModuleTarget(random_drafter(cfg, 1)), loaded_version=v1, live_config=cfg,
+        reporters=[_reporter(api)], report_async=False)
+    reloader.poll_once()
+    assert PodInfo.from_pod(api.pod()).override is None
+    rl.set_override(override, v1, home)
+    reloader.poll_once()
+    assert api.annotations[c.OVERRIDE] == v1 and PodInfo.from_pod(api.pod()).override == v1
+    rl.set_override(override, None, home)
+    reloader.poll_once()
+    assert c.OVERRIDE not in api.annotations and PodInfo.from_pod(api.pod()).override is None

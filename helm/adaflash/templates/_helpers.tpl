@@ -63,6 +63,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "patch"]
+# The per-service admin token of the serving pods: created once, never read (no get, list or
+# watch: the operator can read no Secret, and never calls the admin endpoint).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # Serving pods: read what they report, annotate canaries. The serving pods' own Role grants
 # get/patch on pods, which the operator must hold itself to grant it.
 - apiGroups: [""]

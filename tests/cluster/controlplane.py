@@ -234,6 +234,7 @@ class Api:
     PATHS = {
         "Pod": "/api/v1/namespaces/{ns}/pods", "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
         "Service": "/api/v1/namespaces/{ns}/services",
+        "Secret": "/api/v1/namespaces/{ns}/secrets",
         "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
         "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
         "Event": "/api/v1/namespaces/{ns}/events",

@@ -390,3 +390,59 @@ def test_kubectl_sees_printer_columns_and_scale(chart, api: Api, namespace: str,
                           str(control_plane.admin_kubeconfig), "-n", namespace, "get", "afs"],
                          capture_output=True, text=True, timeout=60)
     assert "SERVING" in out.stdout and "TAU" in out.stdout, out.stdout + out.stderr
+
+
+def test_admin_secret_its_mount_and_an_override_in_status(chart, api: Api, namespace: str,
+                                                          operator_process) -> None:
+    """Issue 16 on a real API server: the token Secret made with the chart's RBAC (which
+    cannot read it back), what the ReplicaSet controller's pods take from it and from the fleet
+    ConfigMap, and an override reported by the pod's own code through the admission policy."""
+    import base64
+
+    from adaflash_operator import manifests
+    from controlplane import OPERATOR_SA
+
+    ns = namespace
+    operator_process()
+    created = api.create(afs(ns))
+    secret = wait_for("the admin Secret", lambda: api.get("Secret", ns, "qwen-admin"), timeout=60)
+    assert len(base64.b64decode(secret["data"][c.ADMIN_TOKEN_KEY])) >= 32
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    op_api = api.as_token(api.request_token(RELEASE_NS, OPERATOR_SA))
+    with pytest.raises(ApiError) as refused:
+        op_api.get("Secret", ns, "qwen-admin")
+    assert refused.value.status == 403  # it made the token and cannot read it
+
+    pods = start_serving_pods(api, ns, 2)
+    pod_spec = pods[0]["spec"]
+    (ctr,) = pod_spec["containers"]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env[c.ENV_ADMIN_TOKEN]["valueFrom"] == {"secretKeyRef": {
+        "name": "qwen-admin", "key": c.ADMIN_TOKEN_KEY}}
+    assert env[c.ENV_BLOCKED_VERSIONS_FILE]["value"] == c.BLOCKED_VERSIONS_FILE
+    mount = next(m for m in ctr["volumeMounts"] if m["name"] == "fleet")
+    assert c.BLOCKED_VERSIONS_FILE == f"{mount['mountPath']}/{c.BLOCKED_VERSIONS_KEY}"
+    assert next(v for v in pod_spec["volumes"] if v["name"] == "fleet")["configMap"][
+        "name"] == "qwen-drafter"
+    assert api.get("ConfigMap", ns, "qwen-drafter")["data"][c.BLOCKED_VERSIONS_KEY] == ""
+    assert ctr["command"] == manifests.SERVING_COMMAND and pod_spec["securityContext"][
+        "fsGroup"] == 1000
+
+    wait_for("no override", lambda: condition(api, ns, "AdminOverride").get("status") == "False",
+             timeout=30)
+    a = pods[0]["metadata"]["name"]
+    rep = reporter(api, ns, pods[0])
+    assert rep.update(rep.status_annotations({"loaded_version": "v000001",
+                                              "desired_version": "v000001",
+                                              "desired_from": "admin override"}))
+    cond = wait_for("the AdminOverride condition", lambda: (
+        x := condition(api, ns, "AdminOverride")).get("status") == "True" and x, timeout=30)
+    assert cond["reason"] == "PodsOverridden" and a in cond["message"]
+    assert {p["name"]: p.get("override") for p in status(api, ns)["pods"]} == {
+        a: "v000001", pods[1]["metadata"]["name"]: None}
+    assert rep.update(rep.status_annotations({"loaded_version": "v000001",
+                                              "desired_version": "v000001",
+                                              "desired_from": "fleet version file"}))
+    wait_for("the override gone", lambda: condition(api, ns, "AdminOverride").get(
+        "status") == "False", timeout=30)
+    assert all("override" not in p for p in status(api, ns)["pods"])

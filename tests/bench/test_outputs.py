@@ -80,8 +80,16 @@ def _strings(obj):
             yield from _strings(v)
 
 
+def _is_machine_path(word: str) -> bool:
+    """An absolute path into this machine's filesystem (`/work/...`, `/tmp/...`); an HTTP route
+    such as `/v1/completions` names no top-level directory and is not one."""
+    word = (word.partition("=")[2] or word).strip(",;:()[]'\"")
+    top = word.strip("/").split("/")[0]
+    return os.path.isabs(word) and bool(top) and os.path.isdir("/" + top)
+
+
 def _absolute_paths(doc) -> list[str]:
-    return [word for s in _strings(doc) for word in s.split() if os.path.isabs(word.partition("=")[2] or word)]
+    return [word for s in _strings(doc) for word in s.split() if _is_machine_path(word)]
 
 
 def test_results_hold_no_absolute_path(tiny_pair, workload, tmp_path, capsys, monkeypatch):

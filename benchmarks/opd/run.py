@@ -163,8 +163,9 @@ def main() -> int:
         for arm, extra in arms.items():
             report = work / f"report-{arm}-{w + 1}.json"
             t0 = time.time()
+            # the target as a path relative to the checkout: the report records it as given
             run([py, "-m", "training_job.distill", "--home", str(work / arm), "--target",
-                 str(TARGET), "--min-records", str(args.wave_size), "--report", str(report),
+                 str(TARGET.relative_to(ROOT)), "--min-records", str(args.wave_size), "--report", str(report),
                  "--threads", str(args.threads), "--quiet", *extra], log)
             rep = json.loads(report.read_text())
             ev = evaluate(work / arm / "drafters" / rep["version"], samples, args.threads)

@@ -17,19 +17,10 @@ __all__ = ["OnlineCostModel", "StepCostModel", "choose_verify_lengths", "surviva
 
 
 @dataclass(frozen=True)
-class StepCostModel:
+class StepCostModel(PlanCost):
     """Seconds per decode step: fixed + per_token * verified tokens, plus what drafting costs:
     draft_fixed when anyone drafts and per_draft for every drafted request (0: drafting is free,
-    which keeps every request drafted)."""
-
-    fixed: float
-    per_token: float
-    per_draft: float = 0.0
-    draft_fixed: float = 0.0
-
-    def __post_init__(self):
-        if self.fixed < 0 or self.per_token <= 0 or self.per_draft < 0 or self.draft_fixed < 0:
-            raise ValueError(f"cost model needs fixed, per_draft, draft_fixed >= 0 and per_token > 0, got {self}")
+    which keeps every request drafted). The planner's `PlanCost`, under the engine's name."""
 
     def plan_cost(self) -> PlanCost:
         return PlanCost(self.fixed, self.per_token, self.per_draft, self.draft_fixed)

@@ -81,7 +81,7 @@ def _strings(obj):
 
 
 def _is_machine_path(word: str) -> bool:
-    """An absolute path into this machine's filesystem (`/work/...`, `/tmp/...`); an HTTP route
+    """An absolute path into this machine's filesystem (`/home/...`, `/tmp/...`); an HTTP route
     such as `/v1/completions` names no top-level directory and is not one."""
     word = (word.partition("=")[2] or word).strip(",;:()[]'\"")
     top = word.strip("/").split("/")[0]

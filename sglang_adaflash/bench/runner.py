@@ -36,6 +36,7 @@ import torch
 from ..cli.generate import check_seed, make_engine, quiet_transformers
 from ..cli.loading import LoadedPair, load_pair
 from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
+from ..d2sd.cli import options_from_args
 from ..engine.engine import EngineStats
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
@@ -46,7 +47,8 @@ from .plot import plot_results
 
 RESULTS_NAME = "results.json"
 PLOT_NAME = "bench.png"
-ENGINE_MODES = ("ar", "dflash", "adaflash")
+ENGINE_MODES = ("ar", "dflash", "adaflash", "d2sd")
+SPEC_MODES = ("dflash", "adaflash", "d2sd")
 
 
 @dataclass
@@ -68,6 +70,7 @@ class BenchConfig:
     use_chat_template: bool = True
     label: str | None = None
     threads: int | None = None
+    d2sd: dict | None = None  # mode d2sd: D2SDOptions as a dict (recovery drafter, tree_k, ...)
 
 
 @dataclass
@@ -183,8 +186,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
 
     if any(m != "hf" for m in cfg.modes) and "ar" not in cfg.modes:
         log("note: mode 'ar' is not in --modes, so the T=0 equality check has no reference")
-    if any(m in ("dflash", "adaflash") for m in cfg.modes) and pair.drafter is None:
-        raise CLIError("modes dflash and adaflash need --drafter DIR")
+    if any(m in SPEC_MODES for m in cfg.modes) and pair.drafter is None:
+        raise CLIError("modes dflash, adaflash and d2sd need --drafter DIR")
     if "adaflash" in cfg.modes and pair.drafter.length_head is None:
         raise CLIError("mode adaflash needs a drafter with a length head (dflash_config.use_thresh_head_two_model); drop it from --modes")
     workload = build_workload(specs, pair, cfg, cfg.waves * max(cfg.concurrency))
@@ -227,6 +230,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                 else:
                     engine = engines[mode]
                     engine.stats = EngineStats()
+                    if hasattr(engine, "tree_stats"):
+                        engine.tree_stats = dict.fromkeys(engine.tree_stats, 0)
                     t0 = time.perf_counter()
                     outs = engine.run(reqs, progress=bar)
                     wall = time.perf_counter() - t0
@@ -239,6 +244,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                     agg["draft_s"] = engine.stats.draft_seconds
                     agg["verify_s"] = engine.stats.verify_seconds
                     agg["prefill_s"] = engine.stats.prefill_seconds
+                    if hasattr(engine, "tree_stats"):  # d2sd: branches drafted, verified and won
+                        agg["tree"] = dict(engine.tree_stats)
                 cpu = time.process_time() - cpu0
                 tokens = sum(len(o) for o in outs_ids)
                 runs.append({"mode": mode, "concurrency": c, "repeat": rep, "requests": n, "generated_tokens": tokens,
@@ -264,7 +271,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                            padding_waste=1 - stats[mode]["generated_tokens"] / hf_decoded if hf_decoded else None)
             results.append(row)
         if "ar" in first:
-            for mode in ("dflash", "adaflash"):
+            for mode in SPEC_MODES:
                 if mode not in first:
                     continue
                 for i, (a, b) in enumerate(zip(first["ar"], first[mode])):
@@ -280,7 +287,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
     add_speedups(results, runs)
     equality = {
         "reference": "ar" if "ar" in cfg.modes else None,
-        "checked_modes": [m for m in ("dflash", "adaflash") if m in cfg.modes] if "ar" in cfg.modes else [],
+        "checked_modes": [m for m in SPEC_MODES if m in cfg.modes] if "ar" in cfg.modes else [],
         "ok": not mismatches,
         "mismatches": mismatches,
         # HF's batched kernels round differently from the engine's ragged ones, so near-tied argmaxes
@@ -292,6 +299,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": recorded_command(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("adaflash") else None,
         "config": {**asdict(cfg), "target": recorded_path(cfg.target), "drafter": recorded_path(cfg.drafter),
+                   "d2sd": None if cfg.d2sd is None else {**cfg.d2sd, "recovery_drafter": recorded_path(cfg.d2sd.get("recovery_drafter"))},
                    "prompts": [recorded_path(p) for p in cfg.prompts],
                    "requests_per_concurrency": {str(c): counts[c] for c in cfg.concurrency},
                    "temperature": 0.0, "stop_token_ids": list(stop_ids)},
@@ -416,8 +424,12 @@ def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = T
     if stale:
         print(f"removed {len(stale)} temporary file(s) an interrupted run left in {out}", file=sys.stderr)
     specs = read_prompts(cfg.prompts)
-    need_drafter = any(m in ("dflash", "adaflash") for m in cfg.modes)
+    need_drafter = any(m in SPEC_MODES for m in cfg.modes)
     pair = load_pair(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, need_drafter=need_drafter)
+    if "d2sd" in cfg.modes:
+        from ..d2sd.cli import D2SDOptions, attach_recovery
+
+        attach_recovery(pair, D2SDOptions(**(cfg.d2sd or {})))
     torch.manual_seed(cfg.seed)
     doc = run_bench(cfg, pair, specs, progress=progress, log=lambda m: print(m, file=sys.stderr))
     print(format_table(doc))
@@ -483,6 +495,9 @@ def cmd_bench(args) -> int:
         device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
         threads=args.threads,
     )
+    opts = options_from_args(args, args.modes)
+    if opts is not None:
+        cfg.d2sd = opts.to_dict()
     return bench_and_write(cfg, args.out, progress=not args.quiet, strict=args.strict)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..d2sd.cli import add_d2sd_args
 from .prompts import CLIError
 
-MODES = ("ar", "dflash", "adaflash")
+MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
+DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter
 
 
 def _positive_int(text: str) -> int:
@@ -82,13 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", metavar="TEXT", help="one text prompt")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help="JSONL, one object per line: 'prompt' (text) or 'prompt_ids'; optional 'id', 'domain', 'max_new_tokens'")
-    g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default)")
+    g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default); "
+                   "d2sd = draft trees with a recovery drafter (--recovery-drafter)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per request, unless its JSONL line says otherwise (default 64)")
     g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (default 32)")
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
+    add_d2sd_args(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--traffic-dir", metavar="DIR",
                    help="also write each finished request as a traffic record into DIR, which must be "
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b, drafter_required=False)
     b.add_argument("--prompts", required=True, nargs="+", metavar="FILE.jsonl", help="JSONL prompt file(s)")
     b.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 64], help="comma-separated (default 1,8,32,64)")
-    b.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES), help="comma-separated subset of hf,ar,dflash,adaflash (default all)")
+    b.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES), help="comma-separated subset of hf,ar,dflash,adaflash,d2sd (default all but d2sd)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=64, help="per request (default 64)")
     b.add_argument("--mixed-lengths", action="store_true",
                    help="give each request its own max_new_tokens, uniform in [max/8, max] (seeded)")
@@ -110,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")
+    add_d2sd_args(b)
     b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -118,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmark the embedded model pair on its held-out workloads; without it, a tiny random pair.")
     d.add_argument("--out", default="bench-demo", metavar="DIR", help="output directory (default ./bench-demo)")
     d.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
-    d.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES))
+    d.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES))
     d.add_argument("--max-new-tokens", type=_positive_int, default=64)
     d.add_argument("--num-prompts", type=_positive_int, default=None)
     d.add_argument("--cache-dir", default=".cache", metavar="DIR", help="where a tiny pair is built when the embedded one is missing")

@@ -18,13 +18,12 @@ from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecEngine, _Seq
 from ..engine.sampling import filtered_probs
 from ..target.hf_target import HFTarget
+from . import TREE_RULES
 from .recovery import TreeCost, plan_branches
 from .recovery_drafter import TreeProposer
 from .tree import Branch, TreeRow, build_row, flatten
 from .tree_target import commit_paths, gather_nodes, tree_forward
 from .tree_verify import PathResult, greedy_walk, sampling_walk
-
-TREE_RULES = ("load_aware", "fixed")
 
 
 class D2SDEngine(SpecEngine):

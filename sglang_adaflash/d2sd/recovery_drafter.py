@@ -22,8 +22,8 @@ import torch
 
 from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
-from ..engine.proposer import DFlashProposer, _consecutive
 from ..engine.kv_cache import SlotKVCache
+from ..engine.proposer import DFlashProposer, _consecutive
 
 RECOVERY_KEY = "recovery_drafter"
 RECOVERY_FORMAT = 1

@@ -24,7 +24,11 @@ round that had published but died before reporting only reports (the version it 
 found by the round id in its manifest, never published twice). A round is failed with a one-line
 reason written to the report path, which Kubernetes shows as the termination message.
 
-Exit codes: 0 published and reported; 1 failed (the reason is on stderr and in the report file).
+With ``--follow`` the job does not stop after one round: it waits for traffic and runs rounds as
+it arrives (``training_job.opd.follow``).
+
+Exit codes: 0 published and reported (with ``--follow``: stopped by a signal or
+``--max-rounds``); 1 failed (the reason is on stderr and in the report file); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -53,6 +57,14 @@ class JobError(RuntimeError):
     """A round that cannot go on; the message is the one line the operator shows."""
 
 
+class NotEnoughRecords(JobError):
+    """Too little new traffic: a failure for one round, a reason to wait for ``--follow``."""
+
+
+class GateRejected(JobError):
+    """The candidate missed ``--require-gain``; its records are consumed, nothing published."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Arguments
 
@@ -65,14 +77,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--target", required=True,
                    help="target model: a local directory or a Hugging Face id")
     g.add_argument("--parent", default="",
-                   help="version to distil from (default: the one drafters/latest names)")
+                   help="version to distil from, or 'latest' (the default: the one "
+                        "drafters/latest names)")
     g.add_argument("--min-records", type=int, default=128,
                    help="fail unless at least this many new usable records exist (default 128)")
     g.add_argument("--report", default=None, metavar="PATH",
                    help="write the JSON report (or, on failure, the reason) here")
     t = p.add_argument_group("training")
-    t.add_argument("--algorithm", choices=("opd", "osd"), default="opd",
-                   help="opd: CE on the target argmax + clipped reverse KL (default); osd: CE")
+    t.add_argument("--loss", choices=("rkl", "fkl", "sft"), default=None,
+                   help="rkl: CE on the target argmax + clipped reverse KL (OPD, the default); "
+                        "fkl: the same with forward KL; sft: plain CE on the response (OSD)")
+    t.add_argument("--algorithm", choices=("opd", "osd"), default=None,
+                   help="deprecated alias: opd = --loss rkl, osd = --loss sft")
     t.add_argument("--alpha", type=float, default=0.8, help="weight of the CE term (default 0.8)")
     t.add_argument("--tau", type=float, default=0.01,
                    help="entry-wise clip of the normalised reverse KL (default 0.01)")
@@ -110,6 +126,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the drafter always trains in float32")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
+    f = p.add_argument_group("follow mode")
+    f.add_argument("--follow", action="store_true",
+                   help="keep running rounds as traffic arrives, each from the version the "
+                        "previous one published, until SIGTERM/SIGINT or --max-rounds")
+    f.add_argument("--poll-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="with --follow: wait this long between looks at the traffic (default 5)")
+    f.add_argument("--max-rounds", type=int, default=None, metavar="R",
+                   help="with --follow: stop after R rounds that trained (default: no limit)")
     return p
 
 
@@ -120,10 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def opd_config(args) -> Any:
-    from training_job.opd.train import OPDConfig
+    from training_job.opd.train import ALGORITHM_ALIASES, OPDConfig
 
+    loss = args.loss
+    if args.algorithm is not None:
+        alias = ALGORITHM_ALIASES[args.algorithm]
+        if loss is not None and loss != alias:
+            raise JobError(f"--algorithm {args.algorithm} (deprecated) means --loss {alias}, "
+                           f"which contradicts --loss {loss}; pass --loss alone")
+        loss = alias
     try:
-        return OPDConfig(algorithm=args.algorithm, alpha=args.alpha, tau=args.tau,
+        return OPDConfig(loss=loss or "rkl", alpha=args.alpha, tau=args.tau,
                          temperature=args.temperature, gamma=args.gamma, lr=args.lr,
                          epochs=args.epochs, batch_size=args.batch_size,
                          anchors_per_seq=args.anchors_per_seq, grad_clip=args.grad_clip,
@@ -200,7 +231,7 @@ def resolve_parent(home: Path, parent: str, target_dir: Path) -> tuple[str, dict
     from sglang_adaflash.drafter.store import latest_version, verify_version
 
     try:
-        if not parent:
+        if not parent or parent == "latest":
             parent = latest_version(home) or ""
             if not parent:
                 raise JobError(f"no parent: --parent is empty and {home}/drafters/latest names "
@@ -270,11 +301,11 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
     _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
          f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
     if sel.usable < args.min_records:
-        raise JobError(f"only {sel.usable} new usable traffic records under {home}/traffic "
+        raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under {home}/traffic "
                        f"(need --min-records {args.min_records}; {sel.new} new, "
                        f"{report.skipped_total} lines skipped)")
     if not sel.eval:
-        raise JobError("no record left to hold out for the evaluation; lower --min-eval-records "
+        raise NotEnoughRecords("no record left to hold out for the evaluation; lower --min-eval-records "
                        "or wait for more traffic")
     tmp = work.with_name(f".{work.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -396,11 +427,15 @@ def stop_ids_and_pad(target_dir: Path, model) -> tuple[tuple[int, ...], int]:
 # The round
 
 
-def run_round(args, par) -> dict | None:
-    """Everything after argument parsing; returns the report on rank 0 (None elsewhere)."""
+def run_round(args, par, should_stop=None) -> dict | None:
+    """Everything after argument parsing; returns the report on rank 0 (None elsewhere).
+
+    ``should_stop`` (``--follow``'s signal flag) is asked during training and once more right
+    before publishing; a yes raises ``Stopped`` with the round resumable in ``distill/work``.
+    """
     import torch
 
-    from training_job.opd.train import train_head, train_opd
+    from training_job.opd.train import Stopped, train_head, train_opd
 
     home = Path(args.home)
     distill_dir = home / "distill"
@@ -437,7 +472,7 @@ def run_round(args, par) -> dict | None:
 
     train, held = load_buffer(work)
     _log(f"round {round_id}: parent {parent}, {len(train)} records to train on, "
-         f"{len(held)} held out, {cfg.algorithm}, {cfg.epochs} epochs, rank {par.rank}/{par.world}")
+         f"{len(held)} held out, loss {cfg.loss}, {cfg.epochs} epochs, rank {par.rank}/{par.world}")
     target = load_target(target_dir, args.dtype, device)
     stops, pad = stop_ids_and_pad(target_dir, target)
     drafter = load_parent_drafter(home, parent, device)
@@ -449,16 +484,22 @@ def run_round(args, par) -> dict | None:
 
     seqs = [s.as_sequence() for s in train]
     training = train_opd(target, drafter, seqs, cfg, work, pad_id=pad,
-                         progress=not args.quiet, log=log)
+                         progress=not args.quiet, log=log, should_stop=should_stop)
     if par.rank != 0:
         return None
     head = train_head(target, drafter, seqs, cfg, work, pad_id=pad, progress=not args.quiet)
     ev = evaluate(work, args, target, drafter, home, parent, held, stops, device)
     gate = ev["gate"]
     if args.require_gain is not None and not gate["passed"]:
-        raise JobError(f"held-out tau {gate['tau']} does not beat the parent's "
-                       f"{gate['parent_tau']} by {args.require_gain:.1%} (--require-gain); "
-                       "nothing published")
+        # The same parent on the same records would give the same candidate: consume them, so
+        # the next round trains on new traffic instead of resuming this one forever.
+        consume(home, work)
+        shutil.rmtree(work, ignore_errors=True)
+        raise GateRejected(f"held-out tau {gate['tau']} does not beat the parent's "
+                           f"{gate['parent_tau']} by {args.require_gain:.1%} (--require-gain); "
+                           "nothing published, its records are consumed")
+    if should_stop is not None and should_stop():
+        raise Stopped("stopped before publishing; the round resumes from its evaluation")
     domains = Counter(s.domain for s in train)
     training.update({"records": len(train), "eval_records": len(held), "round": round_id,
                      "domains": dict(sorted(domains.items())), "traffic": state["traffic"],
@@ -527,22 +568,29 @@ def finish(home: Path, work: Path, version: str, args) -> dict:
     """Record the consumed keys, write the report, drop the round's work directory."""
     from sglang_adaflash.drafter.store import verify_version
     from training_job.opd.report import build_report, encode_report, write_report
-    from training_job.opd.traffic import Ledger
 
     manifest = verify_version(home, version)
-    keys_file = work / LEDGER_NAME
-    if keys_file.exists():
-        keys = [k for k in keys_file.read_text().splitlines() if k]
-        added = Ledger(home / "distill" / LEDGER_NAME).add(keys)
-        _log(f"{added} traffic records marked consumed")
+    consume(home, work)
     report = build_report(manifest, target_name=args.target)
     weight = (manifest.get("eval") or {}).get("records_by_domain") or {}
     data = encode_report(report, weight)
     if args.report:
         write_report(args.report, data)
-    print(data.decode(), flush=True)
+    if not getattr(args, "follow", False):  # --follow prints its own line per round
+        print(data.decode(), flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return json.loads(data)
+
+
+def consume(home: Path, work: Path) -> None:
+    """Add the round's keys to the ledger (idempotent: a re-run after a crash adds nothing)."""
+    from training_job.opd.traffic import Ledger
+
+    keys_file = work / LEDGER_NAME
+    if keys_file.exists():
+        keys = [k for k in keys_file.read_text().splitlines() if k]
+        added = Ledger(home / "distill" / LEDGER_NAME).add(keys)
+        _log(f"{added} traffic records marked consumed")
 
 
 def _broadcast(par, obj):
@@ -575,6 +623,10 @@ def run(args) -> int:
     if not math.isfinite(args.eval_fraction) or not 0 <= args.eval_fraction < 1:
         print("distill: error: --eval-fraction must lie in [0, 1)", file=sys.stderr)
         return 2
+    if getattr(args, "follow", False):
+        from training_job.opd.follow import follow
+
+        return follow(args)
     _init_distributed()
     par = Parallel.current()
     try:

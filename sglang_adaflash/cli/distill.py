@@ -14,10 +14,11 @@ import argparse
 def add_parser(sub) -> argparse.ArgumentParser:
     from training_job.distill import add_arguments
 
-    p = sub.add_parser("distill", help="one on-policy distillation round from served traffic",
+    p = sub.add_parser("distill", help="on-policy distillation rounds from served traffic",
                        description="Train the drafter on the traffic under $ADAFLASH_HOME/traffic "
                                    "(OPD or OSD), evaluate it against its parent and publish the "
-                                   "next version; the job the operator runs.")
+                                   "next version; the job the operator runs. --follow keeps "
+                                   "running rounds as traffic arrives.")
     return add_arguments(p)
 
 

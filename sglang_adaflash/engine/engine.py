@@ -119,6 +119,7 @@ class SpecEngine:
         calibrate: bool = True,
         draft_off: bool = True,
         probe_every: int = 16,
+        probe_share: float = 0.03,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
@@ -129,7 +130,8 @@ class SpecEngine:
         request's (and domain's) verification history, and `draft_off` lets the rule leave out
         requests whose drafts do not pay for themselves, drafting them after `probe_every`
         steps to see whether that changed (the gap doubles after each probe that accepts
-        nothing, up to 4 * probe_every, and resets when one accepts)."""
+        nothing, up to 4 * probe_every, and resets when one accepts) as far as a credit of
+        `probe_share` of the plain steps' cost pays for it (1.0: probe whenever due)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -159,16 +161,21 @@ class SpecEngine:
             self.proposer = DFlashProposer(drafter, num_slots=max_batch_size, capacity=capacity)
         else:
             target.capture_layer_ids = []
+        # engines may share one target (a benchmark's modes side by side): each sets what it needs
+        self._capture = list(target.capture_layer_ids)
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         adaptive = mode == "adaflash" and length_rule == "load_aware"
         self.posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
         self._draft_off = adaptive and draft_off and self.posterior is not None
-        self.probe_every = probe_every
+        if not 0 <= probe_share <= 1:
+            raise ValueError(f"probe_share must be in [0, 1], got {probe_share}")
+        self.probe_every, self.probe_share = probe_every, probe_share
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
         self._pending: torch.Tensor | None = None  # [slots, probe_every + 1, K*H] (see _catch_up)
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
+        self._probe_credit = 0.0  # seconds of drafting probes may still spend (see _choose_drafted)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -232,6 +239,7 @@ class SpecEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefill), run one decode step, return the newly finished."""
+        self.target.capture_layer_ids = self._capture
         joined = []
         while self.waiting and len(self.running) + len(joined) < self.max_batch_size:
             joined.append(self.waiting.popleft())
@@ -377,28 +385,46 @@ class SpecEngine:
 
         A row whose expected accepted tokens do not pay for its share of the drafter forward
         and its verify slots is left out and verifies only its bonus token. Its history is
-        then the only estimate of what drafting would give, so every `probe_every` steps it is
-        drafted anyway, which notices a request that starts accepting again.
+        then the only estimate of what drafting would give, so once `probe_every` steps have
+        passed it is drafted anyway (a probe), which notices a request that starts accepting
+        again. Probes are paid from a credit that grows by `probe_share` of a plain step's
+        cost every step, so probing never costs more than that share of the time; due rows
+        wait until the credit covers them and then share one drafter forward (or ride along,
+        at their own rows' cost, on a step that drafts anyway).
         """
         can = cap > 1
         if not self._draft_off:
             return can.nonzero().flatten().tolist(), []
+        bs = len(seqs)
+        cost = self._cost(bs)
+        row = cost.per_draft + cost.per_token * max(self._min_len - 1, 1)  # one probe row's price
+        self._probe_credit = min(self._probe_credit + self.probe_share * (cost.fixed + cost.per_token * bs),
+                                 cost.draft_fixed + row * bs)
+        due = [i for i, s in enumerate(seqs) if bool(can[i]) and s.since_draft >= max(s.probe_gap, self.probe_every)]
+        affordable = bool(due) and self._probe_credit >= cost.draft_fixed + row
         # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
         # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
-        due = [s.since_draft >= max(s.probe_gap, self.probe_every) for s in seqs]
-        quiet = self._quiet_plan is not None and self._quiet_plan == len(seqs) and not any(due)
+        quiet = self._quiet_plan == bs and not affordable
         if quiet and all(s.since_draft > 0 for s in seqs) and self._quiet_steps < 8:
             self._quiet_steps += 1
             return [], []
-        slots = torch.arange(len(seqs), device=self.device)
-        rate, known = self.posterior.estimate(slots)
-        force = (~known.cpu() | torch.tensor(due)) & can
+        rate, known = self.posterior.estimate(torch.arange(bs, device=self.device))
+        force = ~known.cpu() & can  # no history at all: read the drafter once
         lens = plan_lengths(
-            rate, self.block_size, self._cost(len(seqs)).plan_cost(),
+            rate, self.block_size, cost.plan_cost(),
             min_len=self._min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
         )
-        drafted = ((lens.cpu() > 1) | force).nonzero().flatten().tolist()
-        self._quiet_plan, self._quiet_steps = (None if drafted else len(seqs)), 0
+        chosen = (lens.cpu() > 1) | force
+        spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
+        for i in sorted((i for i in due if not chosen[i]), key=lambda i: -seqs[i].since_draft):
+            if self._probe_credit < spend + row:
+                break
+            spend, probes = spend + row, probes + 1
+            chosen[i] = force[i] = True
+        if probes:
+            self._probe_credit -= spend
+        drafted = chosen.nonzero().flatten().tolist()
+        self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         return drafted, [i for i in drafted if bool(force[i])]
 
     def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ from .protocol import (
     error_body,
     new_id,
     parse,
+    speculation,
 )
 from .textstream import TextStream
 
@@ -287,7 +288,8 @@ class AdaFlashServer:
             async for piece, finish, ids in self._drive(job, handle, text, deadline, first, builder):
                 pieces.append(piece)
                 end = (finish, ids)
-            body = builder.full("".join(pieces), end[0], len(prompt_ids), end[1], req.return_token_ids)
+            body = builder.full("".join(pieces), end[0], len(prompt_ids), end[1], req.return_token_ids,
+                                speculation(job.by_version))
             return JSONResponse(body)
         finally:
             if watcher is not None:
@@ -396,7 +398,8 @@ class AdaFlashServer:
                 if finish is not None:
                     yield sse.event(builder.chunk(None, finish))
                     if include_usage:
-                        yield sse.event(builder.usage_chunk(prompt_tokens, len(ids)))
+                        yield sse.event(builder.usage_chunk(prompt_tokens, len(ids),
+                                                            speculation(job.by_version)))
                     yield sse.DONE
         except APIError as e:  # the status is sent already: the error travels as an event
             yield sse.event(e.body())

@@ -20,10 +20,12 @@ restarts the process.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.request import Request, RequestOutput, RequestStats
@@ -60,6 +62,9 @@ class Job:
     # Loop-thread bookkeeping.
     sent: int = 0
     steps_seen: int = 0
+    # Decode steps and tokens committed in them, by the drafter version that served each step
+    # (a request that spans a hot reload is served by two); read by the handler after DONE.
+    by_version: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -89,6 +94,13 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.steps = 0
         self.swaps: list[tuple[str, float]] = []  # (version, seconds the swap held the loop)
+        # Each swap with the loop's step count and the median of the steps just before it, so
+        # a client can see a pause in units of steps (`/ready`). Bounded: a long-lived server
+        # keeps the latest.
+        self.swap_log: deque[dict[str, Any]] = deque(maxlen=64)
+        self._step_s: deque[float] = deque(maxlen=64)
+        self._last_step_end: float | None = None
+        self._swap_pending: dict[str, Any] | None = None  # its gap to the next step is not known yet
         self.error: str | None = None
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Job]] = []
@@ -140,6 +152,7 @@ class EngineLoop:
             "capacity": self.capacity,
             "steps": self.steps,
             "drafter_version": self.version,
+            "swaps": list(self.swap_log),
         }
 
     # -- the loop thread -----------------------------------------------------------------------
@@ -189,11 +202,25 @@ class EngineLoop:
             pause = time.perf_counter() - t0
             self.version = swapped
             self.swaps.append((swapped, pause))
+            recent = statistics.median(self._step_s) if self._step_s else None
+            entry = {"version": swapped, "at": time.time(), "pause_s": pause,
+                     "after_step": self.steps, "median_step_s": recent,
+                     "pause_steps": pause / recent if recent else None, "gap_s": None}
+            self.swap_log.append(entry)
+            self._swap_pending = entry
             logger.info("adaflash serve: drafter %s swapped in between steps (%.1f ms)",
                         swapped, pause * 1e3)
 
     def _step(self) -> list[tuple[Job, tuple]]:
+        t0 = time.perf_counter()
+        if self._swap_pending is not None and self._last_step_end is not None:
+            # From the end of the last step before the swap to the start of the first after it:
+            # what a running request waited for the reload (an idle loop's wait included).
+            self._swap_pending["gap_s"] = t0 - self._last_step_end
+        self._swap_pending = None
         finished = self.engine.step()
+        self._last_step_end = time.perf_counter()
+        self._step_s.append(self._last_step_end - t0)
         self.steps += 1
         events: list[tuple[Job, tuple]] = []
         observed: list[tuple[Job, RequestStats]] = []
@@ -214,17 +241,19 @@ class EngineLoop:
         return events
 
     def _observe(self, observed: list[tuple[Job, RequestStats]]) -> None:
-        if self.sink is None:
-            return
         cands, accs, domains = [], [], []
+        version = self.version or ""
         for job, stats in observed:
             n = len(stats.verify_lens)
+            tally = job.by_version.setdefault(version, [0, 0])
             for k in range(job.steps_seen, n):
                 cands.append(stats.verify_lens[k])
                 accs.append(stats.accept_lens[k] - 1)
                 domains.append(job.request.domain)
+                tally[0] += 1
+                tally[1] += stats.accept_lens[k]
             job.steps_seen = n
-        if cands:
+        if cands and self.sink is not None:
             try:
                 self.sink.observe_step(SpecStepStats(self.engine.block_size, cands, accs, domains))
             except Exception:  # metrics must never stop decoding

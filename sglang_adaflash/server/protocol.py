@@ -294,6 +294,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def speculation(by_version: dict[str, list[int]]) -> dict[str, Any]:
+    """The ``adaflash`` extension object of a response: how this request was decoded.
+
+    Live tau per domain and per drafter version is what the closed loop watches rise; the
+    Prometheus counters give it per domain only, and a request that spans a hot reload was
+    served by two versions, so each version's share comes with the answer.
+    ``decode_steps`` counts steps (prefill's first token is not one), ``committed_tokens`` the
+    tokens committed in them (accepted proposals plus the bonus), so tau = committed / steps.
+    """
+    versions = {v or None: (steps, tokens) for v, (steps, tokens) in by_version.items() if steps}
+    steps = sum(s for s, _ in versions.values())
+    tokens = sum(t for _, t in versions.values())
+    return {"decode_steps": steps, "committed_tokens": tokens,
+            "tau": tokens / steps if steps else None,
+            "by_version": [{"version": v, "decode_steps": s, "committed_tokens": t}
+                           for v, (s, t) in versions.items()]}
+
+
 class ResponseBuilder:
     """Bodies of one request, in the endpoint's shape (``chat`` or text completions)."""
 
@@ -306,7 +324,7 @@ class ResponseBuilder:
                 "system_fingerprint": self.fingerprint}
 
     def full(self, text: str, finish: str, prompt_tokens: int, output_ids: list[int],
-             token_ids: bool) -> dict[str, Any]:
+             token_ids: bool, spec: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": finish}
@@ -318,6 +336,8 @@ class ResponseBuilder:
             choice["token_ids"] = list(output_ids)
         body["choices"] = [choice]
         body["usage"] = usage(prompt_tokens, len(output_ids))
+        if spec is not None:
+            body["adaflash"] = spec
         return body
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
@@ -335,8 +355,11 @@ class ResponseBuilder:
         body["choices"] = [choice]
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    spec: dict[str, Any] | None = None) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
         body["usage"] = usage(prompt_tokens, completion_tokens)
+        if spec is not None:
+            body["adaflash"] = spec
         return body

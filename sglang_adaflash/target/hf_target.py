@@ -160,7 +160,7 @@ class HFTarget:
         x = self.embed_tokens(batch.input_ids.reshape(-1) if uniform else batch.input_ids[valid])  # [T, H]
         cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
         kv_len = max(st + n for st, n in zip(starts, q_lens))
-        ragged, mask = None, None
+        ragged, mask, singles = None, None, None
         if _prefer_ragged_attention(q_lens, starts):  # no compute on padded queries or keys
             offsets = [0]
             for n in q_lens[:-1]:
@@ -169,12 +169,21 @@ class HFTarget:
                 (batch.slot_offset + i, off, n, st + n, _causal_tail_mask(n, st + n, x.device))
                 for i, (off, n, st) in enumerate(zip(offsets, q_lens, starts))
             ]
+            if sum(n == 1 for n in q_lens) > 1:
+                # rows verifying one token (undrafted requests beside drafted ones) share one
+                # single-query call over the batch's cache views, as in a plain decode step
+                first = torch.tensor(offsets, device=x.device)
+                key_pos = torch.arange(kv_len, device=x.device)
+                mask1 = (key_pos[None, :] <= batch.starts[:, None])[:, None, None]  # [bs, 1, 1, S]
+                one = torch.tensor([n == 1 for n in q_lens], device=x.device)
+                singles = (first, mask1, one, first[one])
+                ragged = [r for r in ragged if r[2] > 1]
         else:
             # key position <= query position; padded queries see key 0 at least (output dropped)
             key_pos = torch.arange(kv_len, device=x.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
         ctx = _Step(batch, None if uniform else valid, flat_slots, flat_pos, cache, kv_len, mask,
-                    cos[0, :, None], sin[0, :, None], ragged)
+                    cos[0, :, None], sin[0, :, None], ragged, singles)
         captured = {}
         capture = set(self.capture_layer_ids)
         for i, layer in enumerate(self.backbone.layers):
@@ -221,12 +230,24 @@ class HFTarget:
     def _ragged_attention(idx: int, q: torch.Tensor, ctx: _Step, scale) -> torch.Tensor:
         """One attention call per request over its own cache view: q [T, nh, hd] -> [T, nh*hd]."""
         k_all, v_all = ctx.cache.k[idx], ctx.cache.v[idx]
-        outs = []
+        if ctx.singles is None:
+            outs = []
+            for slot, off, n, kv_len, mask in ctx.ragged:
+                qi = q[off : off + n].transpose(0, 1)[None]  # [1, nh, n, hd]
+                ki, vi = k_all[slot : slot + 1, :, :kv_len], v_all[slot : slot + 1, :, :kv_len]
+                outs.append(attention(qi, ki, vi, mask, scale=scale)[0].transpose(0, 1).reshape(n, -1))
+            return torch.cat(outs)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        first, mask1, one, single_rows = ctx.singles
+        ck, cv = ctx.cache.view(idx, first.shape[0], ctx.kv_len, offset=ctx.batch.slot_offset)
+        # every row's first query (a multi-token row's is recomputed below and overwritten)
+        o = attention(q[first][:, :, None], ck, cv, mask1, scale=scale)  # [bs, nh, 1, hd]
+        out[single_rows] = o[one].flatten(1)
         for slot, off, n, kv_len, mask in ctx.ragged:
             qi = q[off : off + n].transpose(0, 1)[None]  # [1, nh, n, hd]
             ki, vi = k_all[slot : slot + 1, :, :kv_len], v_all[slot : slot + 1, :, :kv_len]
-            outs.append(attention(qi, ki, vi, mask, scale=scale)[0].transpose(0, 1).reshape(n, -1))
-        return torch.cat(outs)
+            out[off : off + n] = attention(qi, ki, vi, mask, scale=scale)[0].transpose(0, 1).reshape(n, -1)
+        return out
 
 
 def _prefer_ragged_attention(q_lens: list[int], starts: list[int]) -> bool:
@@ -274,3 +295,6 @@ class _Step:
     sin: torch.Tensor
     # per request (slot, first packed row, q_len, kv_len, mask) when q_lens differ, else None
     ragged: list | None = None
+    # (first packed row of every request, its [bs, 1, 1, S] mask, which rows have q_len 1, their
+    # packed rows) when single-token rows share one call on the ragged path, else None
+    singles: tuple | None = None

@@ -157,7 +157,7 @@ def test_failing_drafts_are_switched_off_losslessly(target, drafter):
     probes, verifies only its bonus token otherwise, and the output is still exactly ar's."""
     prompts = _prompts(5, seed=13)
     ar = _ar(target, prompts, 40)
-    eng = _engine(target, drafter, probe_every=4)
+    eng = _engine(target, drafter, probe_every=4, probe_share=1.0)
     outs = eng.run([Request(p, SamplingParams(max_new_tokens=40)) for p in prompts])
     assert [o.output_ids for o in outs] == ar
     drafted = [d for o in outs for d in o.stats.drafted]
@@ -191,7 +191,7 @@ class _WakingProposer(OracleProposer):
 def test_probing_notices_a_request_that_starts_accepting(target, drafter):
     prompt = _prompts(1, seed=17)[0]
     prop = _WakingProposer(target, drafter, prompt_len=len(prompt), wake=30)
-    eng = _engine(target, drafter, proposer=prop, probe_every=4)
+    eng = _engine(target, drafter, proposer=prop, probe_every=4, probe_share=1.0)
     out = eng.run([Request(prompt, SamplingParams(max_new_tokens=110))])[0]
     assert out.output_ids == _ar(target, [prompt], 110)[0]
     st = out.stats
@@ -221,7 +221,7 @@ def test_drafter_context_catches_up_after_draft_off(target, drafter, broken, mon
 
         monkeypatch.setattr(SpecEngine, "_catch_up", forget)
     prompts = _prompts(2, seed=19)
-    eng = _engine(target, drafter, probe_every=3)
+    eng = _engine(target, drafter, probe_every=3, probe_share=1.0)
     outs = eng.run([Request(p, SamplingParams(max_new_tokens=30)) for p in prompts])
     checked, differ = 0, 0
     for p, o in zip(prompts, outs):
@@ -238,3 +238,26 @@ def test_drafter_context_catches_up_after_draft_off(target, drafter, broken, mon
             differ += abs(ref - r) > 1e-6
     assert checked >= 3
     assert (differ > 0) == broken
+
+
+@pytest.mark.parametrize("share", [0.05, 0.3])
+def test_probing_spends_at_most_its_share(target, drafter, share):
+    """Probes of requests whose drafts fail are paid from a credit of `share` of the plain steps'
+    cost: what they spend (drafter forwards and probe rows, priced by the cost model) stays
+    within it. Control: probing whenever due (share 1.0) overspends the 0.05 budget."""
+    def spent(eng_share):
+        prompts = _prompts(3, seed=23)
+        eng = _engine(target, drafter, probe_every=2, probe_share=eng_share)
+        outs = eng.run([Request(p, SamplingParams(max_new_tokens=60)) for p in prompts])
+        c, bs, first = DEAR_DRAFTS, 3, 1  # every request is read once at step 0 (no history)
+        row = c.per_draft + c.per_token * (drafter.config.length_head_min_len - 1)
+        steps = min(o.stats.steps for o in outs)
+        probe_steps = [k for k in range(first, steps) if any(o.stats.drafted[k] for o in outs)]
+        rows = sum(o.stats.drafted[k] for o in outs for k in probe_steps)
+        return (c.draft_fixed * len(probe_steps) + row * rows) / (steps * (c.fixed + c.per_token * bs)), rows
+
+    fraction, rows = spent(share)
+    assert rows > 0, "probes must still happen"
+    assert fraction <= share * 1.05, fraction
+    eager, _ = spent(1.0)
+    assert eager > 0.05 * 1.05, eager

@@ -116,6 +116,12 @@ def test_hot_reload_under_load_loses_no_request_and_changes_no_t0_output(pair, t
     assert {v1, v2} <= versions and v3 not in versions
     swaps = server.server.loop.swaps
     assert [v for v, _ in swaps] == [v2]
+    # /ready reports the pause of each swap against the steps just before it, and the gap the
+    # running requests saw between the last step before the swap and the first after it
+    (entry,) = server.get("/ready").json()["swaps"]
+    assert entry["version"] == v2 and entry["after_step"] > 0 and entry["pause_s"] == swaps[0][1]
+    assert entry["pause_steps"] == entry["pause_s"] / entry["median_step_s"]
+    assert entry["pause_s"] <= entry["gap_s"]
     metrics = server.get("/metrics").text
     assert 'adaflash_drafter_reloads_total{result="success"} 1.0' in metrics
     assert 'adaflash_drafter_reloads_total{result="rejected"} 1.0' in metrics

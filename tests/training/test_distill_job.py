@@ -301,6 +301,7 @@ def test_the_operators_command_line_parses_and_the_module_runs(tmp_path):
     assert (args.home, args.target, args.parent, args.min_records, args.report) == (
         "/var/lib/adaflash", "Qwen/Qwen3-8B", "v000004", 256, "/dev/termination-log")
     assert (args.algorithm, args.epochs) == ("osd", 3)
+    assert distill.opd_config(args).loss == "sft"  # the deprecated alias still means OSD
     report = tmp_path / "report"
     target = tmp_path / "no-such-target"
     r = subprocess.run([sys.executable, "-m", "training_job.distill", "--home", str(tmp_path),
@@ -308,3 +309,21 @@ def test_the_operators_command_line_parses_and_the_module_runs(tmp_path):
                         "--report", str(report)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert report.read_text() == f"distill: target directory {target} does not exist"
+
+
+@pytest.mark.parametrize("loss,name", [("fkl", "opd-fkl"), ("sft", "osd-ce")])
+def test_loss_flag_reaches_the_manifest(vol, tmp_path, loss, name):
+    pair, home = vol
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report, "--loss", loss, "--parent", "latest")) == 0
+    rep = json.loads(report.read_text())
+    assert rep["training"]["algorithm"] == name and rep["parent"] == "v000001"
+    assert verify_version(home, "v000002")["training"]["loss"] == loss
+
+
+def test_contradicting_loss_and_algorithm_are_refused(vol, tmp_path):
+    pair, home = vol
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report, "--loss", "rkl", "--algorithm", "osd")) == 1
+    assert "contradicts --loss rkl" in report.read_text()
+    assert list_versions(home) == ["v000001"]

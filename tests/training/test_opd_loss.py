@@ -1,4 +1,5 @@
-"""The OPD loss: reverse KL, entry-wise clipping after normalisation, CE on the target's argmax."""
+"""The OPD loss: reverse KL, entry-wise clipping after normalisation, CE on the target's argmax;
+the forward-KL variant and the OSD (sft) baseline."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from training_job.dflash_offline import IGNORE, position_weights, weighted_ce
-from training_job.opd.loss import denominators, opd_loss, osd_loss, reverse_kl
+from training_job.opd.loss import denominators, forward_kl, opd_loss, osd_loss, reverse_kl
 
 V = 6
 
@@ -35,6 +36,59 @@ def test_reverse_kl_is_kl_of_drafter_from_target():
     hot = reverse_kl(p_d.log()[None, None], p_t.log()[None, None], temperature=2.0)
     q_d, q_t = p_d.sqrt() / p_d.sqrt().sum(), p_t.sqrt() / p_t.sqrt().sum()
     assert hot.item() == pytest.approx(float((q_d * (q_d / q_t).log()).sum()), rel=1e-5)
+
+
+def test_forward_kl_is_kl_of_target_from_drafter():
+    p_d = torch.tensor([0.9, 0.09, 0.01], dtype=torch.float64)
+    p_t = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    # by hand: 0.2 ln(0.2/0.9) + 0.3 ln(0.3/0.09) + 0.5 ln(0.5/0.01)
+    want = 0.2 * math.log(0.2 / 0.9) + 0.3 * math.log(0.3 / 0.09) + 0.5 * math.log(0.5 / 0.01)
+    assert want == pytest.approx(2.0164, abs=1e-4)
+    got = forward_kl(p_d.log()[None, None], p_t.log()[None, None])
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    assert reverse_kl(p_d.log()[None, None], p_t.log()[None, None]).item() != \
+        pytest.approx(want, rel=1e-2)
+
+
+def test_fkl_loss_by_hand_with_a_clipped_entry():
+    """One block, two valid slots (N = 2), alpha 0.5, tau 0.5, uniform target over 2 tokens.
+    Slot 1: drafter (0.9, 0.1): FKL = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5108, share 0.2554.
+    Slot 2: drafter (0.01, 0.99): FKL = 1.6195, share 0.8098 > tau -> tau, no gradient.
+    CE on the target argmax (token 0, the first of a tie): -ln 0.9 and -ln 0.01."""
+    d = torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.01, 0.99]]], dtype=torch.float64).log()
+    d.requires_grad_()
+    t = torch.zeros(1, 3, 2, dtype=torch.float64)
+    labels = torch.tensor([[IGNORE, 1, 1]])
+    w = torch.tensor([0.0, 1.0, 0.5], dtype=torch.float64)
+    parts = opd_loss(d, t, labels, w, alpha=0.5, tau=0.5, divergence="fkl")
+    fkl1 = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    fkl2 = 0.5 * math.log(0.5 / 0.01) + 0.5 * math.log(0.5 / 0.99)
+    assert fkl1 / 2 < 0.5 < fkl2 / 2
+    ce = (1.0 * -math.log(0.9) + 0.5 * -math.log(0.01)) / 1.5
+    soft = 1.0 * fkl1 / 2 + 0.5 * 0.5
+    assert parts.loss.item() == pytest.approx(0.5 * ce + 0.5 * soft, rel=1e-6)  # KL in float32
+    assert parts.kl.item() == pytest.approx(soft, rel=1e-6) and parts.clipped == 1
+    # slot 2's gradient is the CE term's alone (clipping sends nothing from the KL); slot 1's
+    # is not
+    parts.loss.backward()
+    d2 = d.detach().clone().requires_grad_()
+    (0.5 * opd_loss(d2, t, labels, w, alpha=1.0).loss).backward()
+    assert torch.allclose(d.grad[0, 2], d2.grad[0, 2], atol=1e-12)
+    assert not torch.allclose(d.grad[0, 1], d2.grad[0, 1], atol=1e-6)
+    with pytest.raises(ValueError, match="divergence"):
+        opd_loss(d, t, labels, w, divergence="js")
+
+
+def test_fkl_and_rkl_share_the_ce_term_and_differ_in_the_soft_one():
+    d, t, labels = _case(3)
+    w = position_weights(5, 7.0)
+    r = opd_loss(d, t, labels, w, alpha=0.8, tau=1e9)
+    f = opd_loss(d, t, labels, w, alpha=0.8, tau=1e9, divergence="fkl")
+    assert r.ce.item() == pytest.approx(f.ce.item(), rel=1e-12)
+    count = (labels != IGNORE).sum()
+    want = (w[None] * forward_kl(d, t) / count * (labels != IGNORE)).sum()
+    assert f.kl.item() == pytest.approx(want.item(), rel=1e-6)
+    assert abs(f.kl.item() - r.kl.item()) > 1e-3
 
 
 def test_clipping_is_entrywise_and_after_normalisation():
@@ -98,7 +152,7 @@ def test_osd_is_weighted_ce_on_the_response_tokens():
     assert osd_loss(d, labels, w).loss.item() == pytest.approx(weighted_ce(d, labels, w).item())
 
 
-@pytest.mark.parametrize("algorithm", ["opd", "osd"])
+@pytest.mark.parametrize("algorithm", ["rkl", "fkl", "sft"])
 def test_shards_with_global_denominators_sum_to_the_whole_batch(algorithm):
     """What data-parallel ranks rely on: per-rank losses with the global denominators have
     gradients that add up to the single-process gradient (clipping included)."""
@@ -106,8 +160,8 @@ def test_shards_with_global_denominators_sum_to_the_whole_batch(algorithm):
     w = position_weights(5, 7.0)
 
     def loss(dl, tl, lab, **kw):
-        if algorithm == "opd":
-            return opd_loss(dl, tl, lab, w, tau=0.05, **kw).loss
+        if algorithm != "sft":
+            return opd_loss(dl, tl, lab, w, tau=0.05, divergence=algorithm, **kw).loss
         return osd_loss(dl, lab, w, weight_sum=kw.get("weight_sum")).loss
 
     loss(d, t, labels).backward()

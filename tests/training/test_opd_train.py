@@ -11,6 +11,7 @@ from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 from training_job.opd.train import (
     Interrupted,
     OPDConfig,
+    Stopped,
     clip_sequence,
     train_head,
     train_opd,
@@ -87,13 +88,58 @@ def test_osd_is_ce_on_the_data_and_opd_ce_is_on_the_target_argmax(target, tmp_pa
     on = _greedy(target, off)
     first = {}
     for name, data in (("on", on), ("off", off)):
-        for algo in ("opd", "osd"):
+        for loss in ("rkl", "sft"):
             stats = train_opd(target, tiny_drafter(seed=1), data,
-                              _cfg(algorithm=algo, alpha=1.0, epochs=1), tmp_path / name / algo)
-            first[name, algo] = stats["first_loss"]
-            assert stats["algorithm"] == {"opd": "opd-rkl", "osd": "osd-ce"}[algo]
-    assert first["on", "opd"] == pytest.approx(first["on", "osd"], rel=1e-9)
-    assert abs(first["off", "opd"] - first["off", "osd"]) > 1e-3
+                              _cfg(loss=loss, alpha=1.0, epochs=1), tmp_path / name / loss)
+            first[name, loss] = stats["first_loss"]
+            assert stats["algorithm"] == {"rkl": "opd-rkl", "sft": "osd-ce"}[loss]
+    assert first["on", "rkl"] == pytest.approx(first["on", "sft"], rel=1e-9)
+    assert abs(first["off", "rkl"] - first["off", "sft"]) > 1e-3
+
+
+def test_fkl_and_rkl_differ_only_in_the_soft_term(target, tmp_path):
+    """Same data, same CE: with alpha 1 the two KL variants take identical steps; with a soft
+    term they do not."""
+    seqs = _seqs(seed=5)
+    weights = {}
+    for alpha in (1.0, 0.5):
+        for loss in ("rkl", "fkl"):
+            drafter = tiny_drafter(seed=1)
+            stats = train_opd(target, drafter, seqs,
+                              _cfg(loss=loss, alpha=alpha, tau=1e9, epochs=1),
+                              tmp_path / f"{alpha}" / loss)
+            weights[alpha, loss] = drafter.state_dict()["fc.weight"].detach().clone()
+            assert stats["algorithm"] == f"opd-{loss}" and stats["loss"] == loss
+    assert torch.equal(weights[1.0, "rkl"], weights[1.0, "fkl"])
+    assert (weights[0.5, "rkl"] - weights[0.5, "fkl"]).abs().max() > 1e-6
+
+
+def test_old_algorithm_names_map_onto_losses():
+    assert OPDConfig.from_dict({"algorithm": "osd"}).loss == "sft"
+    assert OPDConfig.from_dict({"algorithm": "opd"}).loss == "rkl"
+    with pytest.raises(ValueError, match="loss must be one of"):
+        OPDConfig(loss="kl")
+
+
+def test_should_stop_checkpoints_and_the_round_resumes_to_the_same_weights(target, tmp_path):
+    seqs = _seqs(7, seed=1)
+    full = tiny_drafter(seed=1)
+    train_opd(target, full, seqs, _cfg(), tmp_path / "a")
+    asked = []
+
+    def stop_at_3():
+        asked.append(1)
+        return len(asked) >= 3
+
+    with pytest.raises(Stopped):
+        train_opd(target, tiny_drafter(seed=1), seqs, _cfg(), tmp_path / "b",
+                  should_stop=stop_at_3)
+    resumed = tiny_drafter(seed=1)
+    logged = []
+    train_opd(target, resumed, seqs, _cfg(), tmp_path / "b", log=logged.append)
+    assert [e["step"] for e in logged] == [4, 5, 6]  # the stop saved step 3, not step 2
+    for k, v in _state(full).items():
+        assert torch.allclose(v, resumed.state_dict()[k], atol=1e-10), k
 
 
 def test_head_is_refit_only_when_the_parent_has_one(target, tmp_path):

@@ -1,4 +1,4 @@
-"""The OPD loss and its OSD baseline, over the drafter's blocks.
+"""The OPD loss, its forward-KL variant and the OSD baseline, over the drafter's blocks.
 
 OPD (AdaFlash) mixes a hard and a soft term on the target's own responses:
 
@@ -14,7 +14,12 @@ it has no way to predict) stop dominating the update instead of being merely sca
 Both denominators (N and the CE weight sum) are passed in, so data-parallel ranks can use the
 global batch's values and their summed gradients equal one process's on the whole batch.
 
-OSD (the baseline) is the plain position-weighted CE on the response tokens themselves.
+The forward-KL variant (``--loss fkl``) keeps everything but the direction of the soft term:
+KL(p_target || p_drafter) is mass-covering, so it also spends the drafter's capacity on the
+target's low-probability tokens, which greedy verification never asks for. It is there so the
+choice of reverse KL can be measured rather than assumed.
+
+OSD (the baseline, ``--loss sft``) is the plain position-weighted CE on the response tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from training_job.dflash_offline import IGNORE
 class LossParts:
     loss: torch.Tensor  # what backward() runs on (this rank's share)
     ce: torch.Tensor  # detached
-    rkl: torch.Tensor  # detached, after clipping and weighting (0 for OSD)
+    kl: torch.Tensor  # detached soft term, after clipping and weighting (0 for OSD)
     clipped: int  # entries whose share exceeded tau
 
 
@@ -55,6 +60,15 @@ def reverse_kl(drafter_logits: torch.Tensor, target_logits: torch.Tensor,
     return (log_pd.exp() * (log_pd - log_pt)).sum(-1)
 
 
+def forward_kl(drafter_logits: torch.Tensor, target_logits: torch.Tensor,
+               temperature: float = 1.0) -> torch.Tensor:
+    """KL(p_target || p_drafter) per slot: [N, B, V] x2 -> [N, B] (float32)."""
+    return reverse_kl(target_logits, drafter_logits, temperature)
+
+
+DIVERGENCES = {"rkl": reverse_kl, "fkl": forward_kl}
+
+
 def _weighted_ce(drafter_logits, targets, valid, weights, weight_sum):
     ce = F.cross_entropy(drafter_logits.flatten(0, 1).float(), targets.flatten().clamp(min=0),
                          reduction="none").view(targets.shape)
@@ -65,10 +79,12 @@ def _weighted_ce(drafter_logits, targets, valid, weights, weight_sum):
 def opd_loss(drafter_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
              weights: torch.Tensor, *, alpha: float = 0.8, tau: float = 0.01,
              temperature: float = 1.0, count: torch.Tensor | None = None,
-             weight_sum: torch.Tensor | None = None) -> LossParts:
+             weight_sum: torch.Tensor | None = None, divergence: str = "rkl") -> LossParts:
     """drafter/target logits [N, B, V] (target's at the position that predicts slot k), labels
     [N, B] (IGNORE where invalid), weights [B]. ``count``/``weight_sum``: global denominators
-    (default: this batch's)."""
+    (default: this batch's). ``divergence``: "rkl" (the default) or "fkl"."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {sorted(DIVERGENCES)}, got {divergence!r}")
     local_count, local_wsum = denominators(labels, weights)
     count = local_count if count is None else count
     weight_sum = local_wsum if weight_sum is None else weight_sum
@@ -76,13 +92,14 @@ def opd_loss(drafter_logits: torch.Tensor, target_logits: torch.Tensor, labels: 
     w = weights.to(drafter_logits.device).float()
     greedy = target_logits.argmax(-1)
     ce = _weighted_ce(drafter_logits, greedy, valid, w, weight_sum.float())
-    share = reverse_kl(drafter_logits, target_logits, temperature) / count.float().clamp(min=1.0)
+    kl_fn = DIVERGENCES[divergence]
+    share = kl_fn(drafter_logits, target_logits, temperature) / count.float().clamp(min=1.0)
     over = (share > tau) & valid
     # torch.where sends no gradient to `share` where the constant is taken.
     clipped = torch.where(over, torch.full_like(share, tau), share)
-    rkl = (w[None, :] * clipped * valid).sum()
-    loss = alpha * ce + (1.0 - alpha) * rkl
-    return LossParts(loss, ce.detach(), rkl.detach(), int(over.sum()))
+    soft = (w[None, :] * clipped * valid).sum()
+    loss = alpha * ce + (1.0 - alpha) * soft
+    return LossParts(loss, ce.detach(), soft.detach(), int(over.sum()))
 
 
 def osd_loss(drafter_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,

@@ -38,12 +38,16 @@ from training_job.dflash_offline import (
 
 from .loss import denominators, opd_loss, osd_loss
 
-ALGORITHMS = {"opd": "opd-rkl", "osd": "osd-ce"}
+#: --loss -> the name the manifest's training.algorithm records.
+LOSSES = {"rkl": "opd-rkl", "fkl": "opd-fkl", "sft": "osd-ce"}
+#: The old --algorithm names, still accepted.
+ALGORITHM_ALIASES = {"opd": "rkl", "osd": "sft"}
 
 
 @dataclass
 class OPDConfig:
-    algorithm: str = "opd"  # "opd" (CE on the target argmax + clipped reverse KL) or "osd" (CE)
+    loss: str = "rkl"  # CE on the target argmax + clipped reverse ("rkl") or forward ("fkl")
+    # KL; "sft": plain CE on the response tokens (OSD)
     alpha: float = 0.8
     tau: float = 0.01
     temperature: float = 1.0
@@ -61,8 +65,8 @@ class OPDConfig:
     head_lr: float = 2e-4
 
     def __post_init__(self):
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {self.loss!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.tau <= 0 or self.temperature <= 0 or self.lr <= 0:
@@ -75,6 +79,8 @@ class OPDConfig:
     @classmethod
     def from_dict(cls, d: dict) -> OPDConfig:
         names = {f.name for f in fields(cls)}
+        if "algorithm" in d and "loss" not in d:  # a checkpoint written before --loss
+            d = {**d, "loss": ALGORITHM_ALIASES.get(d["algorithm"], d["algorithm"])}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -166,25 +172,32 @@ def block_losses(target, drafter, seqs: list[dict], indices: list[int], epoch: i
     hidden = drafter_forward(drafter, feats, blocks)
     d_logits = drafter.logits(hidden)
     w = weights.to(device)
-    if cfg.algorithm == "osd":
+    if cfg.loss == "sft":
         return osd_loss(d_logits, blocks.labels, w, weight_sum=totals[1]), totals
     rows = (blocks.positions - 1).clamp(0, ids.shape[1] - 1)  # the target predicts slot k here
     t_sel = t_logits[blocks.seq_indices[:, None], rows]
     return opd_loss(d_logits, t_sel, blocks.labels, w, alpha=cfg.alpha, tau=cfg.tau,
-                    temperature=cfg.temperature, count=totals[0], weight_sum=totals[1]), totals
+                    temperature=cfg.temperature, count=totals[0], weight_sum=totals[1],
+                    divergence=cfg.loss), totals
 
 
 class Interrupted(RuntimeError):
     """Raised by ``stop_after`` (tests of resume): the process 'dies' after that step."""
 
 
+class Stopped(RuntimeError):
+    """``should_stop`` said so (a signal): the step's checkpoint is saved, the round resumable."""
+
+
 def train_opd(target, drafter, seqs: list[dict], cfg: OPDConfig, work_dir: str | Path, *,
               pad_id: int = 0, progress: bool = False, log=None,
-              stop_after: int | None = None) -> dict:
+              stop_after: int | None = None, should_stop=None) -> dict:
     """Train ``drafter`` (in place) on ``seqs`` for ``cfg.epochs``; resumes from ``work_dir``.
 
     ``target`` is the frozen Hugging Face causal LM; ``seqs`` dicts with prompt_ids and
-    output_ids. Returns the summary that goes into the manifest's ``training``.
+    output_ids. Returns the summary that goes into the manifest's ``training``. ``should_stop``
+    (a callable) is asked after every step; when it answers true the round checkpoints and
+    raises :class:`Stopped`, so a signalled job loses at most one step.
     """
     from tqdm.auto import tqdm
 
@@ -220,7 +233,7 @@ def train_opd(target, drafter, seqs: list[dict], cfg: OPDConfig, work_dir: str |
                          "step": step, "losses": losses, "config": asdict(cfg)})
         par.barrier()
 
-    bar = tqdm(total=total, initial=step, desc=cfg.algorithm, disable=not progress or par.rank,
+    bar = tqdm(total=total, initial=step, desc=cfg.loss, disable=not progress or par.rank,
                dynamic_ncols=True)
     clipped_total = 0
     while step < total:
@@ -244,25 +257,29 @@ def train_opd(target, drafter, seqs: list[dict], cfg: OPDConfig, work_dir: str |
         step += 1
         local = torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         if parts is not None:
-            local = torch.tensor([parts.loss.item(), parts.ce.item(), parts.rkl.item(),
+            local = torch.tensor([parts.loss.item(), parts.ce.item(), parts.kl.item(),
                                   float(parts.clipped)], dtype=torch.float64)
-        loss, ce, rkl, clipped = par.sum_(local).tolist()
+        loss, ce, kl, clipped = par.sum_(local).tolist()
         clipped_total += int(clipped)
         losses.append(loss)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
         if log is not None and par.rank == 0:
             log({"event": "step", "step": step, "epoch": epoch, "loss": round(loss, 5),
-                 "ce": round(ce, 5), "rkl": round(rkl, 6), "clipped": int(clipped),
+                 "ce": round(ce, 5), "kl": round(kl, 6), "clipped": int(clipped),
                  "grad_norm": round(float(gnorm), 4), "step_s": round(time.time() - t0, 3)})
         if stop_after is not None and step >= stop_after:
             raise Interrupted(f"stopped after step {step}")
+        if should_stop is not None and step < total and should_stop():
+            bar.close()
+            save()
+            raise Stopped(f"stopped after step {step} of {total}; the round resumes from there")
     bar.close()
     save()
     last = losses[-per_epoch:]
-    return {"algorithm": ALGORITHMS[cfg.algorithm], "steps": step, "epochs": cfg.epochs,
+    return {"algorithm": LOSSES[cfg.loss], "loss": cfg.loss, "steps": step, "epochs": cfg.epochs,
             "sequences": len(seqs), "final_loss": sum(last) / len(last),
-            "first_loss": losses[0], "alpha": cfg.alpha if cfg.algorithm == "opd" else 1.0,
+            "first_loss": losses[0], "alpha": cfg.alpha if cfg.loss != "sft" else 1.0,
             "tau": cfg.tau, "gamma": cfg.gamma, "lr": cfg.lr, "batch_size": cfg.batch_size,
             "anchors_per_seq": cfg.anchors_per_seq, "ranks": par.world}
 

@@ -131,7 +131,8 @@ def plot(path, answers: list[Answer], phases: list[dict], rows: list[dict], swap
                 va="top", rotation=90)
     ax.set_ylabel("live tau (tokens per decode step)")
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper left", fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=7)
     bx.set_ylabel("tokens/s")
     bx.set_xlabel("seconds (grey: first phase, code+prose; dashed: hot reloads)")
     fig.tight_layout()

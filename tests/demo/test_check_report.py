@@ -57,3 +57,15 @@ def test_a_stalled_step_counter_while_requests_wait_is_measured():
                {"t": 2, "steps": 2, "running": 1}, {"t": 4, "steps": 2, "running": 1},
                {"t": 5, "steps": 3, "running": 1}, {"t": 9, "steps": 3, "running": 0}]
     assert stalls(samples) == 3.0  # 1 -> 4 busy without a step; idle time does not count
+
+
+def test_the_loop_refuses_mode_ar_and_several_concurrency_levels(tmp_path, capsys):
+    from sglang_adaflash.cli.main import main
+
+    assert main(["demo", "--mode", "ar", "--out", str(tmp_path)]) == 2
+    assert "serves no drafter" in capsys.readouterr().err
+    assert main(["demo", "--concurrency", "1,8", "--out", str(tmp_path)]) == 2
+    assert "one --concurrency" in capsys.readouterr().err
+    assert main(["demo", "--budget-s", "0", "--out", str(tmp_path)]) == 2
+    assert "--budget-s must be" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())

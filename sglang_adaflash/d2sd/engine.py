@@ -118,7 +118,8 @@ class D2SDEngine(SpecEngine):
         self.stats.verify_seconds += t2 - t1
         self.tree_stats["steps"] += 1
         if self._online_cost is not None:
-            self._online_cost.observe(bs, verified, t2 - t0, drafted=len(drafted))
+            self._online_cost.observe(bs, verified, t2 - t1, drafted=len(drafted), draft_seconds=t1 - t0,
+                                      proposals=verified - bs)
 
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
         logits = self._chain_logits(seqs, rows)  # [n, B-1, V]

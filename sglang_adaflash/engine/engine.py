@@ -61,6 +61,7 @@ class SpecBatch:
     head_ratio: torch.Tensor | None = None  # [len(drafted)] the length head's E[tau]/B
     head_survival: torch.Tensor | None = None  # [len(drafted)] survival read from it
     survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
+    draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
 
     @classmethod
     def plain(cls, bs: int, device) -> SpecBatch:
@@ -359,7 +360,8 @@ class SpecEngine:
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         if self._online_cost is not None:
-            self._online_cost.observe(len(seqs), verified, t2 - t0, drafted=len(spec.drafted))
+            self._online_cost.observe(len(seqs), verified, t2 - t0 - spec.draft_seconds, drafted=len(spec.drafted),
+                                      draft_seconds=spec.draft_seconds, proposals=verified - len(seqs))
 
     def _draft(self, seqs: list[_Seq]) -> SpecBatch:
         """Choose whom to draft, draft them, choose every verify length, make the proposals."""
@@ -370,6 +372,7 @@ class SpecEngine:
         drafted, probes = self._choose_drafted(seqs, cap)
         if not drafted:
             return SpecBatch.plain(bs, self.device)
+        t0 = time.perf_counter()
         self._catch_up(seqs, drafted)
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
@@ -378,6 +381,7 @@ class SpecEngine:
         spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes)
         self._verify_lengths(spec, hidden, cap)
         self._proposals(seqs, spec, hidden)
+        spec.draft_seconds = time.perf_counter() - t0
         return spec
 
     def _choose_drafted(self, seqs: list[_Seq], cap: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -490,11 +494,13 @@ class SpecEngine:
         if self.proposer is None or aux is None:
             return
         feats = self._pad_rows(aux, q_lens)  # [bs, max L, K*H]
-        if spec.drafted:
+        if spec.drafted:  # a drafting cost: timed with the drafter's
+            t0 = time.perf_counter()
             rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
             width = int(result.num_accepted[rows].max()) + 1
             starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
             self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
+            spec.draft_seconds += time.perf_counter() - t0
         idle = [i for i in range(len(seqs)) if i not in set(spec.drafted)]
         if not idle:
             return

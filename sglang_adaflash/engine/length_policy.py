@@ -30,55 +30,88 @@ class OnlineCostModel:
     """The step cost model, refitted from the engine's own step timings as it serves.
 
     A profile taken once at start-up cannot know the context lengths, batch mix and machine load
-    the engine will meet, and the rule is only as good as its cost model. So every decode step
-    reports (batch size, verified tokens, drafted requests, seconds), and an exponentially
-    weighted ridge fit of
-        seconds = a + b * batch_size + c * verified_tokens + d * drafted + e * [drafted > 0]
-    replaces the profile, which stays in the fit as the ridge's centre. The batch-size term keeps
-    costs that grow with the batch but not with the verify lengths (attention over every context)
-    out of the per-token price, which would otherwise make the rule cut too deep at high
-    concurrency. d and e price drafting, which a request pays only when it is drafted: they are
-    what the rule weighs against a request's expected accepted tokens when it decides whether to
-    draft it at all. While every request is always drafted, b and d cannot be told apart and the
-    ridge keeps d at the profile's value. For a batch of n requests the rule then sees
-    fixed = a + b * n, per_token = c, per_draft = d and draft_fixed = e.
+    the engine will meet, and the rule is only as good as its cost model. The engine times the
+    two phases of a step apart, and each phase gets its own exponentially weighted ridge fit
+    with the profile as the ridge's centre:
+
+        verify seconds = a + b * batch_size + c * verified_tokens        (every step)
+        draft seconds  = e + d * drafted + g * proposals                 (steps that draft)
+
+    Fitting the drafter's cost from its own timings, rather than out of whole-step times,
+    keeps what drafting costs from being confused with what the batch costs anyway: in one
+    regression over whole steps the two move together (a step drafts more requests when it
+    holds more), and a noisy machine can then price the drafter forward at ten times its real
+    time and switch off requests whose drafts pay. The batch-size term keeps costs that grow
+    with the batch but not with the verify lengths (attention over every context) out of the
+    per-token price. For a batch of n requests the rule sees fixed = a + b * n,
+    per_token = c + g, per_draft = d and draft_fixed = e.
     """
 
-    _SCALE = torch.tensor([1.0, 64.0, 1024.0, 64.0, 1.0], dtype=torch.float64)  # feature scales
+    _SCALE = torch.tensor([1.0, 64.0, 1024.0], dtype=torch.float64)  # feature scales (both fits)
 
     def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 1e-3, warmup: int = 8):
         self.decay = decay
-        centre = [prior.fixed, 0.0, prior.per_token, prior.per_draft, prior.draft_fixed]
-        self._centre = torch.tensor(centre, dtype=torch.float64) * self._SCALE
-        self._ridge = prior_weight * torch.eye(5, dtype=torch.float64)
-        self._xtx = torch.zeros(5, 5, dtype=torch.float64)
-        self._xty = torch.zeros(5, dtype=torch.float64)
-        self._theta = self._centre.clone()
-        self._seen, self._warmup, self._stale = 0, warmup, False
+        self._verify = _Ridge([prior.fixed, 0.0, prior.per_token], self._SCALE, prior_weight, decay, warmup)
+        self._draft = _Ridge([prior.draft_fixed, prior.per_draft, 0.0], self._SCALE, prior_weight, decay, warmup)
 
-    def observe(self, batch_size: int, tokens: int, seconds: float, drafted: int | None = None) -> None:
+    def observe(
+        self,
+        batch_size: int,
+        tokens: int,
+        seconds: float,
+        drafted: int | None = None,
+        draft_seconds: float | None = None,
+        proposals: int | None = None,
+    ) -> None:
+        """One step: its verify phase took `seconds`; `draft_seconds` its drafting, when it
+        drafted `drafted` requests for `proposals` proposals (default: every request, the rest
+        of the verified tokens)."""
         drafted = batch_size if drafted is None else drafted
-        x = torch.tensor([1.0, batch_size, tokens, drafted, float(drafted > 0)], dtype=torch.float64) / self._SCALE
-        self._xtx = self.decay * self._xtx + torch.outer(x, x)
-        self._xty = self.decay * self._xty + x * seconds
-        self._seen += 1
-        self._stale = self._seen >= self._warmup  # a handful of steps cannot separate the terms
+        self._verify.observe([1.0, batch_size, tokens], seconds)
+        if drafted > 0 and draft_seconds is not None:
+            proposals = tokens - batch_size if proposals is None else proposals
+            self._draft.observe([1.0, drafted, proposals], draft_seconds)
 
     def model(self, batch_size: int) -> StepCostModel:
-        if self._stale:  # solved when asked, not after every step
-            self._theta = torch.linalg.solve(self._xtx + self._ridge, self._xty + self._ridge @ self._centre)
-            self._stale = False
-        a, b, c, d, e = (self._theta / self._SCALE).tolist()
-        # a negative drafting price is its collinear partner's share (while everyone drafts,
-        # e moves with a and d with b): hand it back so the drafted steps keep their fitted time
-        a, e = a + min(e, 0.0), max(e, 0.0)
-        b, d = b + min(d, 0.0), max(d, 0.0)
+        a, b, c = self._verify.solve()
+        e, d, g = self._draft.solve()
+        # a negative part is its collinear partner's share (e.g. b while the batch size never
+        # changes): hand it back so the observed steps keep their fitted time
+        a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
+        e, d = e + min(d, 0.0), max(d, 0.0)
         return StepCostModel(
-            fixed=max(a + max(b, 0.0) * batch_size, 0.0),
-            per_token=max(c, 1e-9),
-            per_draft=max(d, 0.0),
+            fixed=max(a + b * batch_size, 0.0),
+            per_token=max(c + max(g, 0.0), 1e-9),
+            per_draft=d,
             draft_fixed=max(e, 0.0),
         )
+
+
+class _Ridge:
+    """Exponentially weighted ridge regression towards a prior, solved lazily when asked."""
+
+    def __init__(self, centre, scale, prior_weight, decay, warmup):
+        self.scale, self.decay, self.warmup = scale, decay, warmup
+        self.centre = torch.tensor(centre, dtype=torch.float64) * scale
+        k = len(centre)
+        self.ridge = prior_weight * torch.eye(k, dtype=torch.float64)
+        self.xtx = torch.zeros(k, k, dtype=torch.float64)
+        self.xty = torch.zeros(k, dtype=torch.float64)
+        self.theta = self.centre.clone()
+        self.seen, self.stale = 0, False
+
+    def observe(self, features, seconds: float) -> None:
+        x = torch.tensor(features, dtype=torch.float64) / self.scale
+        self.xtx = self.decay * self.xtx + torch.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
+        self.seen += 1
+        self.stale = self.seen >= self.warmup  # a handful of steps cannot separate the terms
+
+    def solve(self) -> list[float]:
+        if self.stale:
+            self.theta = torch.linalg.solve(self.xtx + self.ridge, self.xty + self.ridge @ self.centre)
+            self.stale = False
+        return (self.theta / self.scale).tolist()
 
 
 def choose_verify_lengths(

@@ -143,7 +143,7 @@ def test_demo_falls_back_to_a_tiny_random_pair(tmp_path, capsys, monkeypatch):
     import sglang_adaflash.assets as assets
 
     monkeypatch.setattr(assets, "MODELS_DIR", tmp_path / "no-models")
-    rc = main(["demo", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--concurrency", "2",
+    rc = main(["demo", "--static", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--concurrency", "2",
                "--modes", "ar,adaflash", "--max-new-tokens", "3", "--num-prompts", "2", "--quiet"])
     err = capsys.readouterr().err
     assert rc == 0 and "tiny RANDOM pair" in err
@@ -178,7 +178,7 @@ def test_demo_uses_the_embedded_pair_when_present(tiny_pair, tmp_path, capsys, m
         (workloads / f"{domain}.heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(assets, "MODELS_DIR", models)
     monkeypatch.setattr(assets, "WORKLOADS_DIR", workloads)
-    rc = main(["demo", "--out", str(tmp_path / "out"), "--concurrency", "2", "--modes", "ar,dflash",
+    rc = main(["demo", "--static", "--out", str(tmp_path / "out"), "--concurrency", "2", "--modes", "ar,dflash",
                "--max-new-tokens", "3", "--num-prompts", "4", "--quiet"])
     assert rc == 0 and "the embedded pair" in capsys.readouterr().err
     doc = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -84,3 +84,31 @@ def test_online_cost_model_separates_batch_and_token_costs():
     assert abs(fit.per_token - 0.0001) < 1e-5
     # every request was drafted, so the per-request price may sit in fixed or per_draft
     assert abs(fit.fixed + 32 * fit.per_draft + fit.draft_fixed - (0.002 + 0.0005 * 32)) < 1e-3
+
+
+def test_online_cost_model_prices_drafting_from_its_own_timings():
+    """Verify phases timed as 2 ms + 0.5 ms per request + 0.1 ms per token, drafting as 1.5 ms +
+    0.4 ms per drafted request, under a shared machine's jitter in the verify phase: the fit
+    recovers the drafter's own price. Control: without the drafting phase's own timings the
+    model cannot learn it (it keeps the profile's)."""
+    from sglang_adaflash.engine.length_policy import OnlineCostModel
+
+    prior = StepCostModel(fixed=0.01, per_token=0.001, per_draft=0.002, draft_fixed=0.01)
+    split, whole = OnlineCostModel(prior), OnlineCostModel(prior)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        bs = int(torch.randint(1, 65, (1,), generator=g))
+        drafted = int(torch.randint(0, bs + 1, (1,), generator=g))
+        proposals = int(torch.randint(drafted, 15 * drafted + 1, (1,), generator=g))
+        tokens = bs + proposals
+        verify = 0.002 + 0.0005 * bs + 0.0001 * tokens
+        draft = (0.0015 + 0.0004 * drafted) if drafted else 0.0
+        noise = float(torch.randn(1, generator=g)) * 0.0005  # a shared machine's jitter
+        split.observe(bs, tokens, verify + noise, drafted=drafted, draft_seconds=draft, proposals=proposals)
+        whole.observe(bs, tokens, verify + draft + noise, drafted=drafted)
+    fit = split.model(32)
+    assert abs(fit.draft_fixed - 0.0015) < 1e-4 and abs(fit.per_draft - 0.0004) < 1e-5, fit
+    assert abs(fit.per_token - 0.0001) < 2e-5 and abs(fit.fixed - (0.002 + 0.0005 * 32)) < 1e-3, fit
+    # control: drafting folded into the verify time is charged to the batch and the tokens
+    bad = whole.model(32)
+    assert abs(bad.draft_fixed - 0.0015) > 5e-4 or abs(bad.per_draft - 0.0004) > 1e-4, bad

@@ -7,7 +7,7 @@ The recovery drafter has the first drafter's architecture and starts from its we
 a DFlash checkpoint directory, or a `drafter_ckpt.pt` of training_job.dflash_offline; the length
 head is dropped: a branch's length is planned, not read from a head). It is trained on the
 data the first drafter was (the target's regenerated responses, training_job.dflash_offline.regenerate)
-with one change to the block: at a random anchor a and a random prefix length p in [1, B-2],
+with one change to the block: at a random anchor a and a random prefix length p in [0, B-2],
 block slots 0..p hold the true tokens at a..a+p and slots p+1..B-1 mask tokens; slot k > p is
 labelled with the token at a+k, weighted exp(-(k-p-1)/gamma) (the first unknown slot weighs 1,
 as slot 1 does in DFlash). Context features are the target's hidden states strictly before a,
@@ -53,12 +53,16 @@ class RecoveryTrainConfig:
     save_dtype: str = "bfloat16"
 
 
-def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random) -> list[int]:
-    """A prefix length p in [1, B-2] per anchor that leaves at least one label (a + p + 1 < seq_len)."""
+def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random,
+                    p_zero: float = 0.3) -> list[int]:
+    """A prefix length p in [0, B-2] per anchor that leaves at least one label (a + p + 1 < seq_len).
+
+    p = 0 (the plain DFlash block) with probability p_zero, else uniform in [1, B-2]: a branch at
+    chain slot r has p = r - 1, and the chain fails first at slot 1 most often."""
     out = []
     for a in anchors:
         hi = min(block_size - 2, seq_len - 2 - a)
-        out.append(rng.randint(1, hi) if hi >= 1 else 0)
+        out.append(0 if hi < 1 or rng.random() < p_zero else rng.randint(1, hi))
     return out
 
 
@@ -198,7 +202,7 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     dc = drafter.config
     raw = dict(dc.raw)
     ada = dict(raw.get("adaflash_config") or {})
-    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[1, dc.block_size - 2], initialised_from="dflash drafter")
+    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, dc.block_size - 2], initialised_from="dflash drafter")
     raw["adaflash_config"] = ada
     dc = dc.replace(raw=raw)
     dtype = getattr(torch, cfg.save_dtype)
@@ -242,7 +246,7 @@ def main(argv=None) -> int:
     training = {"algorithm": "d2sd-recovery-offline", "records": len(seqs), **stats, "config": asdict(cfg),
                 "domains": sorted(domains)}
     evaluation = {"init": before, "trained": after,
-                  "method": "accepted continuation after a true prefix p in [1, B-2], 4 anchors per held-out response"}
+                  "method": "accepted continuation after a true prefix p in [0, B-2], 4 anchors per held-out response"}
     export(drafter, args.target, args.out, cfg, training, evaluation)
     return 0
 

@@ -4,21 +4,22 @@ The first drafter's confidence c_k at block slot k (its top-token probability) i
 chance that proposal k survives verification. The chain then first fails at slot r with
 probability f_r = c_1 ... c_{r-1} (1 - c_r): the recovery points are the top-K slots by f_r.
 
-A branch at r offers an alternative a_r for slot r and l - 1 more tokens after it. Failing at r
-commits the target's own token there anyway, so what the branch adds is the bonus after a_r and
-the continuation's accepted tokens: with rho_r = q(a_r) / (1 - c_r) (the first drafter's chance
-that a_r is the right token once the chain's is wrong) and beta the continuation's per-slot
-survival (measured online),
+A branch at r offers an alternative a_r for slot r (the recovery drafter's, conditioned on the
+chain's tokens before r) and l - 1 more tokens after it. Failing at r commits the target's own
+token there anyway, so what the branch adds is the bonus after a_r and the continuation's
+accepted tokens: with rho the chance that a_r is right once the chain's token is wrong and beta
+the continuation's per-slot survival (both measured online by the engine),
 
-    gain(r, l) = f_r * rho_r * (1 + beta + ... + beta^(l-1)).
+    gain(r, l) = f_r * rho * (1 + beta + ... + beta^(l-1)).
 
-It costs l verified tokens, plus (for l > 1) the recovery drafter's rows for one block and, once
-per step when anyone branches past its first token, the recovery drafter's fixed cost. The
-plan maximises committed tokens per second of the whole step, the rule the verify lengths
-follow (sglang_adaflash.planner): Dinkelbach's method over a price lambda, each candidate
-taking the l that maximises gain - lambda * cost (0 = no branch). At high concurrency lambda
-rises toward 1 / per_token, and branches whose expected tokens per verified token fall below
-the batch's own rate are dropped: the tree shrinks to the chain.
+It costs l verified tokens and the recovery drafter's rows for one block, plus, once per step
+when anyone branches, the recovery drafter's fixed cost. The chain's own slots are priced the
+same way (slot k is worth c_1 ... c_k), so the load-aware rule may shorten the chain too. The
+plan maximises expected committed tokens per second of the whole step, the rule the verify
+lengths follow (sglang_adaflash.planner): Dinkelbach's method over a price lambda, each
+candidate taking the l that maximises gain - lambda * cost (0 = no branch). At high concurrency
+lambda rises toward 1 / per_token, and branches whose expected tokens per verified token fall
+below the batch's own rate are dropped: the tree shrinks to the chain.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 class TreeCost:
     """Seconds of one decode step, as the planner's PlanCost, plus the recovery drafter's part."""
 
-    fixed: float  # the step's cost with the chains verified (drafting of the chain included)
+    fixed: float  # the step's cost before any drafted row's verify slots (the chain's drafting included)
     per_token: float
     per_branch: float = 0.0  # recovery-drafter rows for one branch block
     branch_fixed: float = 0.0  # the recovery drafter's forward, once per step
@@ -56,6 +57,7 @@ class BranchPlan:
     slots: torch.Tensor  # [n, K] chain slot r of each candidate (1-based)
     lengths: torch.Tensor  # [n, K] branch length (0 = not taken)
     value: float  # expected committed tokens per second of the plan
+    chain: torch.Tensor | None = None  # [n] chain verify lengths (slot 0 included)
 
 
 def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,49 +73,64 @@ def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch
     return idx + 1, top
 
 
-def plan_branches(
+def plan_tree(
     conf: torch.Tensor,
-    alt_prob: torch.Tensor,
-    lengths: torch.Tensor,
+    rho: torch.Tensor,
+    cap: torch.Tensor,
     *,
     k: int,
     branch_len: int,
     beta: float,
     cost: TreeCost | None,
+    trim_chain: bool = False,
     rounds: int = 8,
 ) -> BranchPlan:
-    """conf, alt_prob [n, S] (slots 1..S); lengths [n] chain verify lengths.
+    """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify.
 
-    cost None: the fixed rule, every candidate with f > 0 gets the longest branch that fits.
+    cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
+    as long as fits. Otherwise the plan maximising expected tokens per second; trim_chain lets
+    it shorten the chains too, slot k kept while its survival c_1 ... c_k pays its verify slot
+    at the plan's price (a chain keeps at least one proposal).
     """
-    n = conf.shape[0]
-    slots, f = candidates(conf, lengths, k)
-    rho = (alt_prob.gather(1, slots - 1) / (1 - conf.gather(1, slots - 1)).clamp(min=1e-6)).clamp(0, 1)
-    room = (lengths[:, None] - slots).clamp(min=0)  # slots r..L-1 keep the path within the block
-    longest = room.clamp(max=branch_len)
+    cap = cap.long()
     if cost is None:
-        return BranchPlan(slots, torch.where(f > 0, longest, 0), float("nan"))
-    ls = torch.arange(branch_len + 1, device=conf.device, dtype=torch.float32)  # candidate lengths 0..lmax
+        slots, f = candidates(conf, cap, k)
+        longest = (cap[:, None] - slots).clamp(min=0, max=branch_len)
+        return BranchPlan(slots, torch.where(f > 0, longest, 0), float("nan"), cap)
+    reach = torch.cumprod(conf, 1)
+    in_cap = torch.arange(1, conf.shape[1] + 1, device=conf.device)[None] < cap[:, None]
+    ls = torch.arange(branch_len + 1, device=conf.device, dtype=torch.float32)  # branch lengths 0..lmax
     cont = torch.cumsum(torch.cat([ls.new_zeros(1), beta ** ls[:-1]]), 0)  # 1 + beta + ... (l terms)
-    gain = (f * rho)[..., None] * cont[None, None]  # [n, K, lmax+1]
-    row_cost = cost.per_token * ls + cost.per_branch * (ls > 1).float()
-    allowed = ls[None, None] <= longest[..., None]
-    base_tokens = float(chain_tau(conf, lengths).sum())
+    row_cost = cost.per_token * ls + cost.per_branch * (ls > 0).float()
+
+    def plan_at(lam: float, branching: bool) -> BranchPlan:
+        chain = cap
+        if trim_chain:
+            keep = ((reach > lam * cost.per_token) & in_cap).long().cumprod(1).sum(1)
+            chain = torch.minimum(1 + keep.clamp(min=1), cap)
+        slots, f = candidates(conf, chain, k)
+        longest = torch.where(f > 0, (cap[:, None] - slots).clamp(min=0, max=branch_len), 0) if branching else f.long() * 0
+        gain = (f * rho.gather(1, slots - 1))[..., None] * cont[None, None]  # [n, K, lmax+1]
+        net = (gain - lam * row_cost).masked_fill(ls[None, None] > longest[..., None], float("-inf"))
+        choice = net.argmax(-1)
+        tokens = float(chain_tau(conf, chain).sum()) + float(gain.gather(2, choice[..., None]).sum())
+        spent = (cost.fixed + cost.per_token * float(chain.sum()) + float(row_cost[choice].sum())
+                 + cost.branch_fixed * bool((choice > 0).any()))
+        return BranchPlan(slots, choice, tokens / spent, chain)
+
     best = None
-    for one_only in (False, True):
-        ok = allowed & (ls[None, None] <= 1) if one_only else allowed
-        lam, choice = base_tokens / cost.fixed, torch.zeros_like(slots)
-        value = lam
+    for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
+        lam = 0.0
         for _ in range(rounds):
-            net = (gain - lam * row_cost).masked_fill(~ok, float("-inf"))
-            choice = net.argmax(-1)
-            tokens = base_tokens + float(gain.gather(2, choice[..., None]).sum())
-            spent = cost.fixed + float(row_cost[choice].sum()) + cost.branch_fixed * bool((choice > 1).any())
-            value = tokens / spent
-            if value <= lam * (1 + 1e-7):
+            plan = plan_at(lam, branching)
+            if best is None or plan.value > best.value:
+                best = plan
+            if plan.value <= lam * (1 + 1e-7):
                 break
-            lam = value
-        if best is None or value > best.value:
-            best = BranchPlan(slots, choice, value)
-    assert best is not None and n == best.slots.shape[0]
+            lam = plan.value
     return best
+
+
+def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8) -> BranchPlan:
+    """The plan for chains of fixed lengths (the verify lengths are given)."""
+    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds)

@@ -63,10 +63,10 @@ class OracleD2SD(D2SDEngine):
         for m, i in enumerate(rows):
             ids = block_ids[m].tolist()
             chain = [seqs[i].last_token] + self._chains[i]
-            r = next(k for k in range(1, b) if ids[k] != chain[k])
-            hist = seqs[i].req.prompt_ids + seqs[i].output + ids[1 : r + 1]
-            cont = self._continuation(hist, b - 1 - r)
+            r = next(k for k in range(1, b) if ids[k] != chain[k])  # the first masked slot
+            hist = seqs[i].req.prompt_ids + seqs[i].output + ids[1:r]
+            cont = self._continuation(hist, b - r)
             out = torch.zeros(b, self.target.vocab_size, dtype=torch.float64)
-            out[r + 1 :] = self._logits(cont, True)
+            out[r:] = self._logits(cont, True)
             outs.append(out)
         return torch.stack(outs)

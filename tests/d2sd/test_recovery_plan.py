@@ -28,8 +28,8 @@ def test_candidates_are_the_likeliest_first_failures_inside_the_chain():
 
 def _plan(bs, cost, k=2, branch_len=4):
     conf = torch.tensor([[0.95, 0.6, 0.9, 0.5, 0.9, 0.9, 0.9]]).repeat(bs, 1)
-    alt = (1 - conf) * 0.8
-    return plan_branches(conf, alt, torch.full((bs,), 8), k=k, branch_len=branch_len, beta=0.7, cost=cost)
+    rho = torch.full_like(conf, 0.8)
+    return plan_branches(conf, rho, torch.full((bs,), 8), k=k, branch_len=branch_len, beta=0.7, cost=cost)
 
 
 def test_cheap_verify_takes_whole_branches_and_dear_verify_a_chain():
@@ -43,8 +43,7 @@ def test_the_tree_shrinks_as_the_batch_grows():
     """fixed = one step's cost whatever the batch; verified tokens cost per token."""
     sizes = []
     for bs in (1, 8, 64):
-        chain = 8 * bs
-        cost = TreeCost(fixed=0.03 + 5e-4 * chain, per_token=5e-4, per_branch=2e-4, branch_fixed=2e-3)
+        cost = TreeCost(fixed=0.03, per_token=5e-4, per_branch=2e-4, branch_fixed=2e-3)
         sizes.append(int(_plan(bs, cost).lengths.sum()) / bs)
     assert sizes[0] > sizes[1] >= sizes[2]
     assert sizes[2] == 0
@@ -61,13 +60,13 @@ def test_plan_is_the_best_tokens_per_second_by_enumeration():
     g = torch.Generator().manual_seed(0)
     for trial in range(6):
         conf = torch.rand(2, 6, generator=g) * 0.6 + 0.35
-        alt = (1 - conf) * torch.rand(2, 6, generator=g)
+        rho_all = torch.rand(2, 6, generator=g)
         lengths = torch.tensor([7, 5])
         cost = TreeCost(fixed=float(torch.rand((), generator=g)) * 0.05 + 0.005, per_token=1e-3,
                         per_branch=float(torch.rand((), generator=g)) * 2e-3, branch_fixed=2e-3)
-        plan = plan_branches(conf, alt, lengths, k=2, branch_len=3, beta=0.6, cost=cost)
+        plan = plan_branches(conf, rho_all, lengths, k=2, branch_len=3, beta=0.6, cost=cost)
         slots, f = candidates(conf, lengths, 2)
-        rho = (alt.gather(1, slots - 1) / (1 - conf.gather(1, slots - 1))).clamp(0, 1)
+        rho = rho_all.gather(1, slots - 1)
         room = (lengths[:, None] - slots).clamp(min=0).clamp(max=3)
         base = float(chain_tau(conf, lengths).sum())
         best = 0.0
@@ -77,7 +76,27 @@ def test_plan_is_the_best_tokens_per_second_by_enumeration():
                 continue
             gain = sum(float(f[i, j] * rho[i, j]) * sum(0.6 ** s for s in range(int(ls[i, j])))
                        for i in range(2) for j in range(2))
-            spent = cost.fixed + float(ls.sum()) * cost.per_token + cost.per_branch * int((ls > 1).sum())
-            spent += cost.branch_fixed * bool((ls > 1).any())
+            spent = cost.fixed + float(ls.sum() + lengths.sum()) * cost.per_token + cost.per_branch * int((ls > 0).sum())
+            spent += cost.branch_fixed * bool((ls > 0).any())
             best = max(best, (base + gain) / spent)
         assert plan.value >= best * (1 - 1e-5), (trial, plan.value, best)
+
+
+def test_trimmed_chain_keeps_the_slots_that_pay():
+    from sglang_adaflash.d2sd.recovery import plan_tree
+
+    conf = torch.tensor([[0.9, 0.8, 0.5, 0.3, 0.2, 0.2, 0.2]])
+    cap = torch.tensor([8])
+    cheap = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                      cost=TreeCost(fixed=1.0, per_token=1e-4), trim_chain=True)
+    assert cheap.chain.tolist() == [8]
+    dear = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                     cost=TreeCost(fixed=1e-3, per_token=1.0), trim_chain=True)
+    assert dear.chain.tolist() == [2]  # one proposal at least
+    mid = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                    cost=TreeCost(fixed=0.01, per_token=0.01), trim_chain=True)
+    assert 2 < mid.chain.item() < 8
+    reach = torch.cumprod(conf, 1)[0]
+    kept = mid.chain.item() - 1
+    # the last kept slot survives at least as often as the plan's price per verified token asks
+    assert reach[kept - 1] >= mid.value * 0.01 * (1 - 1e-6) or kept == 1

@@ -33,7 +33,7 @@ def test_sampled_prefixes_leave_a_label():
         n = rng.randint(6, 40)
         a = rng.randint(1, n - 3)
         (p,) = rec.sample_prefixes([a], n, 16, rng)
-        assert 1 <= p <= 14 and a + p + 1 <= n - 1
+        assert 0 <= p <= 14 and a + p + 1 <= n - 1
 
 
 def test_continuation_accepts_counts_after_the_prefix():

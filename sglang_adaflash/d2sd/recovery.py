@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -60,11 +61,11 @@ class BranchPlan:
     chain: torch.Tensor | None = None  # [n] chain verify lengths (slot 0 included)
 
 
-def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int, f: torch.Tensor | None = None):
     """Top-k recovery slots per row by first-fail probability, within each chain's length.
 
     Returns slots [n, k] (1-based) and their f [n, k] (0 where a row has fewer slots)."""
-    f = first_fail(conf)
+    f = first_fail(conf) if f is None else f
     s = conf.shape[1]
     inside = torch.arange(1, s + 1, device=conf.device)[None] < lengths[:, None]  # slot r < L
     f = f.masked_fill(~inside, 0.0)
@@ -97,38 +98,56 @@ def plan_tree(
         slots, f = candidates(conf, cap, k)
         longest = (cap[:, None] - slots).clamp(min=0, max=branch_len)
         return BranchPlan(slots, torch.where(f > 0, longest, 0), float("nan"), cap)
-    reach = torch.cumprod(conf, 1)
-    in_cap = torch.arange(1, conf.shape[1] + 1, device=conf.device)[None] < cap[:, None]
-    ls = torch.arange(branch_len + 1, device=conf.device, dtype=torch.float32)  # branch lengths 0..lmax
-    cont = torch.cumsum(torch.cat([ls.new_zeros(1), beta ** ls[:-1]]), 0)  # 1 + beta + ... (l terms)
-    row_cost = cost.per_token * ls + cost.per_branch * (ls > 0).float()
+    # a few dozen numbers per row: numpy on the host is several times faster than torch here
+    dev = conf.device
+    c = conf.detach().double().cpu().numpy()
+    r_all = rho.detach().double().cpu().numpy()
+    capn = cap.cpu().numpy()
+    n, s = c.shape
+    reach = np.cumprod(c, 1)
+    f_all = np.concatenate([np.ones((n, 1)), reach[:, :-1]], 1) * (1 - c)
+    tau_at = np.concatenate([np.ones((n, 1)), 1 + reach.cumsum(1)], 1)  # [n, S+1]: E[tau | L] at L-1
+    in_cap = np.arange(1, s + 1)[None] < capn[:, None]
+    ls = np.arange(branch_len + 1, dtype=np.float64)  # branch lengths 0..lmax
+    cont = np.concatenate([[0.0], np.cumsum(beta ** ls[:-1])])  # 1 + beta + ... (l terms)
+    row_cost = cost.per_token * ls + cost.per_branch * (ls > 0)
+    kk = min(k, s)
+    rows = np.arange(n)[:, None]
 
-    def plan_at(lam: float, branching: bool) -> BranchPlan:
-        chain = cap
+    def plan_at(lam: float, branching: bool):
+        chain = capn
         if trim_chain:
-            keep = ((reach > lam * cost.per_token) & in_cap).long().cumprod(1).sum(1)
-            chain = torch.minimum(1 + keep.clamp(min=1), cap)
-        slots, f = candidates(conf, chain, k)
-        longest = torch.where(f > 0, (cap[:, None] - slots).clamp(min=0, max=branch_len), 0) if branching else f.long() * 0
-        gain = (f * rho.gather(1, slots - 1))[..., None] * cont[None, None]  # [n, K, lmax+1]
-        net = (gain - lam * row_cost).masked_fill(ls[None, None] > longest[..., None], float("-inf"))
+            keep = np.cumprod((reach > lam * cost.per_token) & in_cap, 1).sum(1)
+            chain = np.minimum(1 + np.maximum(keep, 1), capn)
+        f = np.where(np.arange(1, s + 1)[None] < chain[:, None], f_all, 0.0)
+        idx = np.argsort(-f, 1, kind="stable")[:, :kk]
+        fk = f[rows, idx]
+        slots = idx + 1
+        longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, branch_len), 0) if branching else np.zeros_like(slots)
+        gain = (fk * r_all[rows, idx])[..., None] * cont[None, None]  # [n, K, lmax+1]
+        net = np.where(ls[None, None] > longest[..., None], -np.inf, gain - lam * row_cost)
         choice = net.argmax(-1)
-        tokens = float(chain_tau(conf, chain).sum()) + float(gain.gather(2, choice[..., None]).sum())
-        spent = (cost.fixed + cost.per_token * float(chain.sum()) + float(row_cost[choice].sum())
+        tokens = tau_at[np.arange(n), chain - 1].sum() + np.take_along_axis(gain, choice[..., None], 2).sum()
+        spent = (cost.fixed + cost.per_token * chain.sum() + row_cost[choice].sum()
                  + cost.branch_fixed * bool((choice > 0).any()))
-        return BranchPlan(slots, choice, tokens / spent, chain)
+        return slots, choice, float(tokens / spent), chain
 
     best = None
     for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
         lam = 0.0
         for _ in range(rounds):
             plan = plan_at(lam, branching)
-            if best is None or plan.value > best.value:
+            if best is None or plan[2] > best[2]:
                 best = plan
-            if plan.value <= lam * (1 + 1e-7):
+            if plan[2] <= lam * (1 + 1e-7):
                 break
-            lam = plan.value
-    return best
+            lam = plan[2]
+    slots, choice, value, chain = best
+
+    def t(x):
+        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long, device=dev)
+
+    return BranchPlan(t(slots), t(choice), value, t(chain))
 
 
 def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8) -> BranchPlan:

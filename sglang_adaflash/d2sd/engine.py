@@ -112,7 +112,7 @@ class D2SDEngine(SpecEngine):
         if fwd.aux is not None:
             self.proposer.extend_context(gather_nodes(fwd.aux, paths), starts, list(range(bs)))
         self._observe_branches(trees, results, cap)
-        self._observe_chain(trees, results)
+        self._observe_chain(results)
         for seq, tree, r in zip(seqs, trees, results):
             seq.stats.record(tree.size, r.num_accepted)
             seq.cache_len += len(r.tokens)
@@ -263,12 +263,12 @@ class D2SDEngine(SpecEngine):
         b = (conf * self._BINS).long().clamp(max=self._BINS - 1)
         return (won.to(conf.device)[b] + 4 * conf) / (tested.to(conf.device)[b] + 4)
 
-    def _observe_chain(self, trees: list[TreeRow], results: list[PathResult]) -> None:
+    def _observe_chain(self, results: list[PathResult]) -> None:
         """Chain slots verified (reached with every earlier chain slot accepted) and accepted."""
         tested, won = self._calib
         tested.mul_(0.995)
         won.mul_(0.995)
-        for i, (tree, r) in enumerate(zip(trees, results)):
+        for i, r in enumerate(results):
             raw = self._raw_conf.get(i)
             if raw is None or raw.numel() == 0:
                 continue

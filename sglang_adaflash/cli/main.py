@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every request at this temperature, hf included (default 0: greedy; the "
+                        "T=0 equality check against ar runs only at 0)")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1)")
     b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
     b.add_argument("--quiet", action="store_true", help="no progress bars")

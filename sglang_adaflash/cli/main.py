@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--epochs", type=_positive_int, default=None, help="per round (default 2)")
     loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
     loop.add_argument("--per-version", type=_positive_int, default=None,
-                      help="math answers the final version serves before the end (default 24; --quick 8)")
+                      help="math answers the final version serves before the end (default 48; --quick 8)")
     loop.add_argument("--budget-s", type=float, default=None,
                       help="seconds of traffic at most, both phases (default 720; --quick 140)")
     loop.add_argument("--check-prompts", type=_positive_int, default=None,

@@ -250,9 +250,19 @@ def main() -> int:
                     help="extra flags of every distillation job (one string)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--traffic-from", default=None, metavar="WORK",
+                    help="reuse the traffic of an earlier run's --work instead of generating it")
+    ap.add_argument("--ablation-only", action="store_true",
+                    help="run the ablation arms alone (no parent evaluation, no rkl rounds); "
+                         "--merge joins the result to a main run's")
+    ap.add_argument("--merge", nargs=2, default=None, metavar=("MAIN", "ABLATION"),
+                    help="join two results files (main run, --ablation-only run) into --out, "
+                         "with the goals and the plot, and exit")
     ap.add_argument("--commit", default=None,
                     help="the commit this code was exported from (when run outside a checkout)")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
 
     from sglang_adaflash.drafter.manifest import target_fingerprint
     from sglang_adaflash.drafter.store import publish_checkpoint
@@ -272,6 +282,9 @@ def main() -> int:
     rounds, prompt_stats = live_prompts(data, args.rounds, per_round,
                                         512 - args.max_new_tokens - 8, args.seed)
     t0 = time.time()
+    if args.traffic_from:
+        shutil.copytree(Path(args.traffic_from) / "traffic", work / "traffic")
+        rounds = []
     for r, batch in enumerate(rounds, 1):
         part = work / f"round{r}.jsonl"
         part.write_text("".join(json.dumps(p) + "\n" for p in batch))
@@ -290,10 +303,12 @@ def main() -> int:
                            training={"algorithm": "dflash-offline (shipped)"})
     tok = tokenizer()
     samples = [s for d in DOMAINS for s in heldout(tok, d, args.eval_prompts)]
-    results = {"parent": evaluate(work / "rkl" / "drafters" / "v000001", samples, args.threads),
-               "rounds": [], "ablation": {}}
-    print(f"parent v000001: {results['parent']['tau']} cv {results['parent']['cv']} "
-          f"({results['parent']['seconds']} s)", flush=True)
+    results = {"rounds": [], "ablation": {}}
+    if not args.ablation_only:
+        results["parent"] = evaluate(work / "rkl" / "drafters" / "v000001", samples,
+                                     args.threads)
+        print(f"parent v000001: {results['parent']['tau']} cv {results['parent']['cv']} "
+              f"({results['parent']['seconds']} s)", flush=True)
 
     # 3. Rounds of the main arm (rkl): reveal a batch, distil, evaluate.
     def one_round(arm: str, r: int) -> dict:
@@ -308,7 +323,7 @@ def main() -> int:
                 "round_seconds": round(secs, 1), "round_cpu_seconds": round(cpu, 1),
                 "heldout": ev}
 
-    for r in range(1, args.rounds + 1):
+    for r in range(1, 0 if args.ablation_only else args.rounds + 1):
         results["rounds"].append(one_round("rkl", r))
         # keep what is there so far: a run cut short still leaves its figures
         write_results(results, args, prompt_stats, traffic_s, started, job_args)
@@ -320,10 +335,31 @@ def main() -> int:
             results["ablation"].setdefault(arm, []).append(one_round(arm, r))
             write_results(results, args, prompt_stats, traffic_s, started, job_args)
 
+    if args.ablation_only:
+        return 0
     results["goals"] = goals(results)
     write_results(results, args, prompt_stats, traffic_s, started, job_args)
     plot(results, ROOT / args.plot)
     print(json.dumps(results["goals"], indent=2))
+    return 0
+
+
+def merge(args) -> int:
+    """The main run's results with the ablation arms of an --ablation-only run (same traffic,
+    same job settings) added, then the goals and the plot."""
+    main_res = json.loads(Path(args.merge[0]).read_text())
+    abl = json.loads(Path(args.merge[1]).read_text())
+    for arm, rows in abl["ablation"].items():
+        if arm != "rkl" and rows:
+            main_res["ablation"][arm] = rows
+    n = max(len(rows) for rows in main_res["ablation"].values())
+    main_res["ablation"]["rkl"] = main_res["rounds"][:n]
+    main_res["settings"]["ablation_run"] = abl["settings"]
+    main_res["goals"] = goals(main_res)
+    out = ROOT / args.out
+    out.write_text(json.dumps(main_res, indent=2, sort_keys=True) + "\n")
+    plot(main_res, ROOT / args.plot)
+    print(json.dumps(main_res["goals"], indent=2))
     return 0
 
 

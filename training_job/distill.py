@@ -33,7 +33,6 @@ Exit codes: 0 published and reported (with ``--follow``: stopped by a signal or
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -41,153 +40,29 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-DEFAULT_HOME = "/var/lib/adaflash"
-WORK_NAME = "work"
+from training_job.opd.options import DEFAULT_HOME, add_arguments, build_parser, opd_config
+from training_job.opd.workdir import (
+    LEDGER_NAME,
+    WORK_NAME,
+    GateRejected,
+    JobError,
+    NotEnoughRecords,
+    _log,
+    _one_line,
+    _read_json,
+    _write_json,
+    find_published,
+    load_buffer,
+    prepare_round,
+)
+
+__all__ = ["DEFAULT_HOME", "GateRejected", "JobError", "NotEnoughRecords", "add_arguments",
+           "build_parser", "main", "opd_config", "run", "run_round"]
+
 LOCK_NAME = ".lock"
-LEDGER_NAME = "consumed.keys"
-
-
-class JobError(RuntimeError):
-    """A round that cannot go on; the message is the one line the operator shows."""
-
-
-class NotEnoughRecords(JobError):
-    """Too little new traffic: a failure for one round, a reason to wait for ``--follow``."""
-
-
-class GateRejected(JobError):
-    """The candidate missed ``--require-gain``; its records are consumed, nothing published."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Arguments
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The job's options (shared by `python -m training_job.distill` and `adaflash distill`)."""
-    g = p.add_argument_group("the operator's contract")
-    g.add_argument("--home", default=os.environ.get("ADAFLASH_HOME", DEFAULT_HOME),
-                   help="shared volume (default $ADAFLASH_HOME, else /var/lib/adaflash)")
-    g.add_argument("--target", required=True,
-                   help="target model: a local directory or a Hugging Face id")
-    g.add_argument("--parent", default="",
-                   help="version to distil from, or 'latest' (the default: the one "
-                        "drafters/latest names)")
-    g.add_argument("--min-records", type=int, default=128,
-                   help="fail unless at least this many new usable records exist (default 128)")
-    g.add_argument("--report", default=None, metavar="PATH",
-                   help="write the JSON report (or, on failure, the reason) here")
-    t = p.add_argument_group("training")
-    t.add_argument("--loss", choices=("rkl", "fkl", "sft"), default=None,
-                   help="rkl: CE on the target argmax + clipped reverse KL (OPD, the default); "
-                        "fkl: the same with forward KL; sft: plain CE on the response (OSD)")
-    t.add_argument("--algorithm", choices=("opd", "osd"), default=None,
-                   help="deprecated alias: opd = --loss rkl, osd = --loss sft")
-    t.add_argument("--alpha", type=float, default=0.8, help="weight of the CE term (default 0.8)")
-    t.add_argument("--tau", type=float, default=0.01,
-                   help="entry-wise clip of the normalised reverse KL (default 0.01)")
-    t.add_argument("--temperature", type=float, default=1.0, help="of the KL term (default 1)")
-    t.add_argument("--gamma", type=float, default=7.0, help="position decay (default 7)")
-    t.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
-    t.add_argument("--epochs", type=int, default=2, help="passes over the round (default 2)")
-    t.add_argument("--batch-size", type=int, default=8,
-                   help="sequences per step over all ranks (default 8)")
-    t.add_argument("--anchors-per-seq", type=int, default=24, help="blocks per sequence (default 24)")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip (default 1)")
-    t.add_argument("--max-seq-len", type=int, default=1024,
-                   help="prompt + response tokens kept per record (default 1024)")
-    t.add_argument("--head-steps", type=int, default=50,
-                   help="length-head refit steps after the drafter (default 50; 0 = keep it)")
-    t.add_argument("--head-lr", type=float, default=2e-4)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--ckpt-every", type=int, default=20, help="checkpoint every N steps (default 20)")
-    d = p.add_argument_group("data and evaluation")
-    d.add_argument("--max-records", type=int, default=4096,
-                   help="newest new records used; older new ones are consumed unused (default 4096)")
-    d.add_argument("--eval-fraction", type=float, default=0.1,
-                   help="share of the round held out for the evaluation (default 0.1)")
-    d.add_argument("--min-eval-records", type=int, default=8)
-    d.add_argument("--max-eval-records", type=int, default=64)
-    d.add_argument("--eval-max-new-tokens", type=int, default=64)
-    d.add_argument("--eval-batch-size", type=int, default=16)
-    d.add_argument("--require-gain", type=float, default=None, metavar="G",
-                   help="fail without publishing unless mean held-out tau >= parent's * (1 + G) "
-                        "(default: always publish and leave the gate to the operator)")
-    r = p.add_argument_group("runtime")
-    r.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> if available, else cpu")
-    r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="the target's dtype (default float32 on CPU, bfloat16 on GPU); "
-                        "the drafter always trains in float32")
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    r.add_argument("--quiet", action="store_true", help="no progress bars")
-    f = p.add_argument_group("follow mode")
-    f.add_argument("--follow", action="store_true",
-                   help="keep running rounds as traffic arrives, each from the version the "
-                        "previous one published, until SIGTERM/SIGINT or --max-rounds")
-    f.add_argument("--poll-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="with --follow: wait this long between looks at the traffic (default 5)")
-    f.add_argument("--max-rounds", type=int, default=None, metavar="R",
-                   help="with --follow: stop after R rounds that trained (default: no limit)")
-    return p
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training_job.distill",
-                                description="One on-policy distillation round of the drafter.")
-    return add_arguments(p)
-
-
-def opd_config(args) -> Any:
-    from training_job.opd.train import ALGORITHM_ALIASES, OPDConfig
-
-    loss = args.loss
-    if args.algorithm is not None:
-        alias = ALGORITHM_ALIASES[args.algorithm]
-        if loss is not None and loss != alias:
-            raise JobError(f"--algorithm {args.algorithm} (deprecated) means --loss {alias}, "
-                           f"which contradicts --loss {loss}; pass --loss alone")
-        loss = alias
-    try:
-        return OPDConfig(loss=loss or "rkl", alpha=args.alpha, tau=args.tau,
-                         temperature=args.temperature, gamma=args.gamma, lr=args.lr,
-                         epochs=args.epochs, batch_size=args.batch_size,
-                         anchors_per_seq=args.anchors_per_seq, grad_clip=args.grad_clip,
-                         max_seq_len=args.max_seq_len, seed=args.seed,
-                         ckpt_every=max(1, args.ckpt_every), head_steps=args.head_steps,
-                         head_lr=args.head_lr)
-    except ValueError as e:
-        raise JobError(str(e)) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _log(msg: str) -> None:
-    print(f"distill: {msg}", file=sys.stderr, flush=True)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    from sglang_adaflash.fsio import write_json_atomic
-
-    write_json_atomic(path, obj, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -249,112 +124,6 @@ def target_identity(target_dir: Path, name: str) -> dict[str, str]:
     fp = target_fingerprint(target_dir)
     fp["name"] = name
     return fp
-
-
-# ---------------------------------------------------------------------------------------------
-# The round's state on the volume
-
-
-def _fingerprint(args, cfg, parent: str, target: dict) -> dict[str, Any]:
-    """What a resumed round must share with the one that started (else it starts over)."""
-    c = asdict(cfg)
-    c.pop("ckpt_every", None)
-    return {"parent": parent, "target": target.get("config_digest"), "config": c,
-            "selection": {"max_records": args.max_records, "eval_fraction": args.eval_fraction,
-                          "min_eval": args.min_eval_records, "max_eval": args.max_eval_records},
-            "eval": {"max_new_tokens": args.eval_max_new_tokens}}
-
-
-def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) -> dict:
-    """Resume the round in ``work`` if it matches, else select a new one. Returns round.json."""
-    from sglang_adaflash.serving.traffic import ReadReport
-    from training_job.opd.traffic import Ledger, scan_traffic, select_round
-
-    fingerprint = _fingerprint(args, cfg, parent, target)
-    state = _read_json(work / "round.json")
-    if state is not None:
-        if state.get("fingerprint") == fingerprint or (work / "published.json").exists():
-            _log(f"resuming round {state['id']} in {work}")
-            return state
-        _log(f"discarding the unfinished round in {work}: it was started with other settings "
-             "or another parent")
-    if work.exists():
-        shutil.rmtree(work)
-    for stale in work.parent.glob(f".{work.name}.*.tmp"):  # a selection a crash cut short
-        shutil.rmtree(stale, ignore_errors=True)
-    report = ReadReport()
-    ledger = Ledger(home / "distill" / LEDGER_NAME)
-    consumed = ledger.load()
-    present: set[str] = set()
-
-    def seen(samples):
-        for s in samples:
-            present.add(s.key)
-            yield s
-
-    sel = select_round(seen(scan_traffic(home, report)), consumed, max_records=args.max_records,
-                       eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
-                       max_eval=args.max_eval_records)
-    dropped = ledger.retain(present)
-    if dropped:
-        _log(f"forgot {dropped} consumed keys whose records are no longer on the volume")
-    _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
-         f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
-    if sel.usable < args.min_records:
-        raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under {home}/traffic "
-                       f"(need --min-records {args.min_records}; {sel.new} new, "
-                       f"{report.skipped_total} lines skipped)")
-    if not sel.eval:
-        raise NotEnoughRecords("no record left to hold out for the evaluation; lower --min-eval-records "
-                       "or wait for more traffic")
-    tmp = work.with_name(f".{work.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with open(tmp / "buffer.jsonl", "w", encoding="utf-8") as f:
-        for split, samples in (("train", sel.train), ("eval", sel.eval)):
-            for s in samples:
-                f.write(json.dumps({"split": split, **s.to_json()}) + "\n")
-    (tmp / LEDGER_NAME).write_text("".join(k + "\n" for k in sel.consumed))
-    state = {
-        "id": uuid.uuid4().hex, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "fingerprint": fingerprint,
-        "traffic": {"new": sel.new, "train": len(sel.train), "eval": len(sel.eval),
-                    "too_short": sel.too_short, "over_cap": sel.over_cap,
-                    "skipped_lines": report.skipped_total, "torn_lines": report.torn},
-    }
-    _write_json(tmp / "round.json", state)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    work.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, work)
-    return state
-
-
-def load_buffer(work: Path):
-    from training_job.opd.traffic import Sample
-
-    train, ev = [], []
-    with open(work / "buffer.jsonl", encoding="utf-8") as f:
-        for line in f:
-            obj = json.loads(line)
-            (train if obj.pop("split") == "train" else ev).append(Sample.from_json(obj))
-    return train, ev
-
-
-def find_published(home: Path, round_id: str) -> tuple[str, dict] | None:
-    """The version this round already published, if a crash cut it off before it reported."""
-    from sglang_adaflash.drafter.manifest import ManifestError, read_manifest
-    from sglang_adaflash.drafter.store import list_versions, version_path
-
-    for v in reversed(list_versions(home)):
-        try:
-            m = read_manifest(version_path(home, v))
-        except ManifestError:
-            continue
-        if (m.get("training") or {}).get("round") == round_id:
-            return v, m
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The baseline: Hugging Face `generate()` with static batching, greedy.
+"""The baseline: Hugging Face `generate()` with static batching, greedy or sampled.
 
 Requests are taken in submission order, `batch_size` at a time, left-padded into one tensor.
 A padded batch runs until its longest request is done (its largest max_new_tokens, or every row
@@ -41,16 +41,18 @@ def truncate(tokens: list[int], max_new: int, stop_ids: tuple[int, ...]) -> list
 
 
 @torch.inference_mode()
-def hf_generate_batch(model, prompts: list[list[int]], max_new: list[int], pad_id: int, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], int]:
+def hf_generate_batch(model, prompts: list[list[int]], max_new: list[int], pad_id: int, stop_ids: tuple[int, ...],
+                      temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[list[int]], int]:
     ids, mask = _left_pad(prompts, pad_id, model.device)
+    sample = temperature > 0
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
         max_new_tokens=max(max_new),
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=0 if sample else None,
         eos_token_id=list(stop_ids) or None,
         pad_token_id=pad_id,
     )
@@ -60,12 +62,13 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new: list[int], pad_i
 
 
 def run_hf(model, prompts: list[list[int]], max_new: list[int], batch_size: int, pad_id: int,
-           stop_ids: tuple[int, ...] = (), progress=None) -> HFRun:
+           stop_ids: tuple[int, ...] = (), progress=None, temperature: float = 0.0, top_p: float = 1.0) -> HFRun:
     outputs: list[list[int]] = []
     decoded = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
-        outs, n = hf_generate_batch(model, prompts[s:s + batch_size], max_new[s:s + batch_size], pad_id, stop_ids)
+        outs, n = hf_generate_batch(model, prompts[s:s + batch_size], max_new[s:s + batch_size], pad_id, stop_ids,
+                                    temperature, top_p)
         outputs.extend(outs)
         decoded += n
         if progress is not None:

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every request at this temperature, hf included (default 0: greedy; the "
+                        "T=0 equality check against ar runs only at 0)")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1)")
     add_d2sd_args(b)
     b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
@@ -158,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--epochs", type=_positive_int, default=None, help="per round (default 2)")
     loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
     loop.add_argument("--per-version", type=_positive_int, default=None,
-                      help="math answers the final version serves before the end (default 24; --quick 8)")
+                      help="math answers the final version serves before the end (default 48; --quick 8)")
     loop.add_argument("--budget-s", type=float, default=None,
                       help="seconds of traffic at most, both phases (default 720; --quick 140)")
     loop.add_argument("--check-prompts", type=_positive_int, default=None,

@@ -59,8 +59,12 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def ar_outputs(target: str, dtype: str | None, prompts: dict[str, str], max_tokens: int,
-               max_batch_size: int = 8) -> dict[str, list[int]]:
+               max_batch_size: int = 8, threads: int | None = None) -> dict[str, list[int]]:
     """Plain greedy decoding of each prompt by the target alone, in this process."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     from ..cli.generate import make_engine, quiet_transformers
     from ..cli.loading import load_pair
     from ..engine.request import Request

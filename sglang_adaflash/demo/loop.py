@@ -57,7 +57,7 @@ class Plan:
 
 
 DEFAULT = Plan(first_requests=32, min_records=64, max_records=128, rounds=3, epochs=2,
-               head_steps=50, eval_records=16, eval_tokens=64, per_version=24, budget_s=720,
+               head_steps=50, eval_records=16, eval_tokens=64, per_version=48, budget_s=720,
                max_tokens=64, check_prompts=12)
 QUICK = Plan(first_requests=8, min_records=32, max_records=48, rounds=1, epochs=2,
              head_steps=10, eval_records=4, eval_tokens=32, per_version=8, budget_s=140,
@@ -200,7 +200,7 @@ def run_loop(args) -> int:
             say(f"phase {FIRST_PHASE}: {len(answers)} answers; now the traffic shifts to math")
 
             shown = {v1}
-            rounds = {"done": False}
+            rounds = {"done_at": None}
 
             def enough() -> bool:
                 version = poller.version()
@@ -210,11 +210,14 @@ def run_loop(args) -> int:
                 if clock() - traffic_start > plan.budget_s:
                     say(f"the traffic budget ({plan.budget_s:.0f} s) is spent")
                     return True
-                if not rounds["done"]:
+                if rounds["done_at"] is None:
                     if distill.running and len(published(home)) - 1 < plan.rounds:
                         return False
-                    rounds["done"] = True
-                    distill.terminate()  # no round past the plan's; stop() below waits for it
+                    rounds["done_at"] = clock()
+                if distill.running and clock() - rounds["done_at"] > 20:
+                    # --max-rounds ends the follower after its last round; should it still be
+                    # running, no round past the plan's may start: stop() below waits for it
+                    distill.terminate()
                 latest = read_latest(home)
                 if version != latest:
                     return False
@@ -258,7 +261,7 @@ def run_loop(args) -> int:
 
     say(f"T=0 check: {len(check_prompts)} prompts through the final version, against plain decoding")
     reference = eqcheck.ar_outputs(args.target, args.dtype, {p.id: p.text for p in check_prompts},
-                                   plan.max_tokens)
+                                   plan.max_tokens, threads=args.threads)
     equality = eqcheck.compare({k: ids for k, (_, ids) in served_ids.items()}, reference)
     return finish(args, plan, out, state, poller, volume, equality, clock(), concurrency, say)
 

@@ -1,0 +1,108 @@
+"""The distillation job's command line (shared by `python -m training_job.distill` and
+`adaflash distill`), in its own module so the job's module is about the round alone."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from training_job.opd.workdir import JobError
+
+DEFAULT_HOME = "/var/lib/adaflash"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The job's options (shared by `python -m training_job.distill` and `adaflash distill`)."""
+    g = p.add_argument_group("the operator's contract")
+    g.add_argument("--home", default=os.environ.get("ADAFLASH_HOME", DEFAULT_HOME),
+                   help="shared volume (default $ADAFLASH_HOME, else /var/lib/adaflash)")
+    g.add_argument("--target", required=True,
+                   help="target model: a local directory or a Hugging Face id")
+    g.add_argument("--parent", default="",
+                   help="version to distil from, or 'latest' (the default: the one "
+                        "drafters/latest names)")
+    g.add_argument("--min-records", type=int, default=128,
+                   help="fail unless at least this many new usable records exist (default 128)")
+    g.add_argument("--report", default=None, metavar="PATH",
+                   help="write the JSON report (or, on failure, the reason) here")
+    t = p.add_argument_group("training")
+    t.add_argument("--loss", choices=("rkl", "fkl", "sft"), default=None,
+                   help="rkl: CE on the target argmax + clipped reverse KL (OPD, the default); "
+                        "fkl: the same with forward KL; sft: plain CE on the response (OSD)")
+    t.add_argument("--algorithm", choices=("opd", "osd"), default=None,
+                   help="deprecated alias: opd = --loss rkl, osd = --loss sft")
+    t.add_argument("--alpha", type=float, default=0.8, help="weight of the CE term (default 0.8)")
+    t.add_argument("--tau", type=float, default=0.01,
+                   help="entry-wise clip of the normalised reverse KL (default 0.01)")
+    t.add_argument("--temperature", type=float, default=1.0, help="of the KL term (default 1)")
+    t.add_argument("--gamma", type=float, default=7.0, help="position decay (default 7)")
+    t.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    t.add_argument("--epochs", type=int, default=2, help="passes over the round (default 2)")
+    t.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per step over all ranks (default 8)")
+    t.add_argument("--anchors-per-seq", type=int, default=24, help="blocks per sequence (default 24)")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip (default 1)")
+    t.add_argument("--max-seq-len", type=int, default=1024,
+                   help="prompt + response tokens kept per record (default 1024)")
+    t.add_argument("--head-steps", type=int, default=50,
+                   help="length-head refit steps after the drafter (default 50; 0 = keep it)")
+    t.add_argument("--head-lr", type=float, default=2e-4)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ckpt-every", type=int, default=20, help="checkpoint every N steps (default 20)")
+    d = p.add_argument_group("data and evaluation")
+    d.add_argument("--max-records", type=int, default=4096,
+                   help="newest new records used; older new ones are consumed unused (default 4096)")
+    d.add_argument("--eval-fraction", type=float, default=0.1,
+                   help="share of the round held out for the evaluation (default 0.1)")
+    d.add_argument("--min-eval-records", type=int, default=8)
+    d.add_argument("--max-eval-records", type=int, default=64)
+    d.add_argument("--eval-max-new-tokens", type=int, default=64)
+    d.add_argument("--eval-batch-size", type=int, default=16)
+    d.add_argument("--require-gain", type=float, default=None, metavar="G",
+                   help="fail without publishing unless mean held-out tau >= parent's * (1 + G) "
+                        "(default: always publish and leave the gate to the operator)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> if available, else cpu")
+    r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the target's dtype (default float32 on CPU, bfloat16 on GPU); "
+                        "the drafter always trains in float32")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    f = p.add_argument_group("follow mode")
+    f.add_argument("--follow", action="store_true",
+                   help="keep running rounds as traffic arrives, each from the version the "
+                        "previous one published, until SIGTERM/SIGINT or --max-rounds")
+    f.add_argument("--poll-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="with --follow: wait this long between looks at the traffic (default 5)")
+    f.add_argument("--max-rounds", type=int, default=None, metavar="R",
+                   help="with --follow: stop after R rounds that trained (default: no limit)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training_job.distill",
+                                description="One on-policy distillation round of the drafter.")
+    return add_arguments(p)
+
+
+def opd_config(args) -> Any:
+    from training_job.opd.train import ALGORITHM_ALIASES, OPDConfig
+
+    loss = args.loss
+    if args.algorithm is not None:
+        alias = ALGORITHM_ALIASES[args.algorithm]
+        if loss is not None and loss != alias:
+            raise JobError(f"--algorithm {args.algorithm} (deprecated) means --loss {alias}, "
+                           f"which contradicts --loss {loss}; pass --loss alone")
+        loss = alias
+    try:
+        return OPDConfig(loss=loss or "rkl", alpha=args.alpha, tau=args.tau,
+                         temperature=args.temperature, gamma=args.gamma, lr=args.lr,
+                         epochs=args.epochs, batch_size=args.batch_size,
+                         anchors_per_seq=args.anchors_per_seq, grad_clip=args.grad_clip,
+                         max_seq_len=args.max_seq_len, seed=args.seed,
+                         ckpt_every=max(1, args.ckpt_every), head_steps=args.head_steps,
+                         head_lr=args.head_lr)
+    except ValueError as e:
+        raise JobError(str(e)) from None

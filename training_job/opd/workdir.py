@@ -1,0 +1,156 @@
+"""The round's state on the volume (`distill/work`): selection, resume, and the errors of a round.
+
+Everything a round needs to continue lives in `distill/work/`: the selected records, the
+training checkpoints, the evaluation, and once published the version's name. A retried job with
+the same parent, target and settings resumes there instead of starting over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+WORK_NAME = "work"
+LEDGER_NAME = "consumed.keys"
+
+
+class JobError(RuntimeError):
+    """A round that cannot go on; the message is the one line the operator shows."""
+
+
+class NotEnoughRecords(JobError):
+    """Too little new traffic: a failure for one round, a reason to wait for ``--follow``."""
+
+
+class GateRejected(JobError):
+    """The candidate missed ``--require-gain``; its records are consumed, nothing published."""
+
+
+def _log(msg: str) -> None:
+    print(f"distill: {msg}", file=sys.stderr, flush=True)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from sglang_adaflash.fsio import write_json_atomic
+
+    write_json_atomic(path, obj, sort_keys=True)
+
+
+def _fingerprint(args, cfg, parent: str, target: dict) -> dict[str, Any]:
+    """What a resumed round must share with the one that started (else it starts over)."""
+    c = asdict(cfg)
+    c.pop("ckpt_every", None)
+    return {"parent": parent, "target": target.get("config_digest"), "config": c,
+            "selection": {"max_records": args.max_records, "eval_fraction": args.eval_fraction,
+                          "min_eval": args.min_eval_records, "max_eval": args.max_eval_records},
+            "eval": {"max_new_tokens": args.eval_max_new_tokens}}
+
+
+def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) -> dict:
+    """Resume the round in ``work`` if it matches, else select a new one. Returns round.json."""
+    from sglang_adaflash.serving.traffic import ReadReport
+    from training_job.opd.traffic import Ledger, scan_traffic, select_round
+
+    fingerprint = _fingerprint(args, cfg, parent, target)
+    state = _read_json(work / "round.json")
+    if state is not None:
+        if state.get("fingerprint") == fingerprint or (work / "published.json").exists():
+            _log(f"resuming round {state['id']} in {work}")
+            return state
+        _log(f"discarding the unfinished round in {work}: it was started with other settings "
+             "or another parent")
+    if work.exists():
+        shutil.rmtree(work)
+    for stale in work.parent.glob(f".{work.name}.*.tmp"):  # a selection a crash cut short
+        shutil.rmtree(stale, ignore_errors=True)
+    report = ReadReport()
+    ledger = Ledger(home / "distill" / LEDGER_NAME)
+    consumed = ledger.load()
+    present: set[str] = set()
+
+    def seen(samples):
+        for s in samples:
+            present.add(s.key)
+            yield s
+
+    sel = select_round(seen(scan_traffic(home, report)), consumed, max_records=args.max_records,
+                       eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
+                       max_eval=args.max_eval_records)
+    dropped = ledger.retain(present)
+    if dropped:
+        _log(f"forgot {dropped} consumed keys whose records are no longer on the volume")
+    _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
+         f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
+    if sel.usable < args.min_records:
+        raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under {home}/traffic "
+                       f"(need --min-records {args.min_records}; {sel.new} new, "
+                       f"{report.skipped_total} lines skipped)")
+    if not sel.eval:
+        raise NotEnoughRecords("no record left to hold out for the evaluation; lower --min-eval-records "
+                       "or wait for more traffic")
+    tmp = work.with_name(f".{work.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(tmp / "buffer.jsonl", "w", encoding="utf-8") as f:
+        for split, samples in (("train", sel.train), ("eval", sel.eval)):
+            for s in samples:
+                f.write(json.dumps({"split": split, **s.to_json()}) + "\n")
+    (tmp / LEDGER_NAME).write_text("".join(k + "\n" for k in sel.consumed))
+    state = {
+        "id": uuid.uuid4().hex, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fingerprint,
+        "traffic": {"new": sel.new, "train": len(sel.train), "eval": len(sel.eval),
+                    "too_short": sel.too_short, "over_cap": sel.over_cap,
+                    "skipped_lines": report.skipped_total, "torn_lines": report.torn},
+    }
+    _write_json(tmp / "round.json", state)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    work.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, work)
+    return state
+
+
+def load_buffer(work: Path):
+    from training_job.opd.traffic import Sample
+
+    train, ev = [], []
+    with open(work / "buffer.jsonl", encoding="utf-8") as f:
+        for line in f:
+            obj = json.loads(line)
+            (train if obj.pop("split") == "train" else ev).append(Sample.from_json(obj))
+    return train, ev
+
+
+def find_published(home: Path, round_id: str) -> tuple[str, dict] | None:
+    """The version this round already published, if a crash cut it off before it reported."""
+    from sglang_adaflash.drafter.manifest import ManifestError, read_manifest
+    from sglang_adaflash.drafter.store import list_versions, version_path
+
+    for v in reversed(list_versions(home)):
+        try:
+            m = read_manifest(version_path(home, v))
+        except ManifestError:
+            continue
+        if (m.get("training") or {}).get("round") == round_id:
+            return v, m
+    return None

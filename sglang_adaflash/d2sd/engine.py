@@ -64,6 +64,7 @@ class D2SDEngine(SpecEngine):
         self.mode = "d2sd"
         self.recovery = recovery
         self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule
+        self.trim_chain = True  # under load_aware, the chain's length is planned too
         self.beta = beta
         self._beta_obs = [0.0, 0.0]  # continuation slots accepted, tried (decayed)
         self._alt_obs = [0.0, 0.0]  # branch first tokens accepted, tried after a chain rejection (decayed)
@@ -145,7 +146,7 @@ class D2SDEngine(SpecEngine):
         conf = self._calibrated(top1)
         plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
                          beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
-                         trim_chain=self.tree_rule == "load_aware")
+                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain)
         chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
         chain_len = plan.chain.tolist()
         self._raw_conf = {i: top1[j, : chain_len[j] - 1] for j, i in enumerate(rows)}

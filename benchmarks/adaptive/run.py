@@ -32,6 +32,7 @@ from sglang_adaflash.cli.prompts import read_prompts, resolve_prompt_ids
 from sglang_adaflash.engine.engine import EngineStats
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.planner.calibration import SurvivalPosterior
 
 MODES = ("ar", "dflash", "adaflash")
@@ -47,20 +48,42 @@ def workloads(per_domain: int) -> dict[str, list]:
     return {"in_domain": in_domain, "math": math, "mixed": mixed}
 
 
+def _floor(ratio: float, length: int, block: int) -> float:
+    """E|tau - E tau| / B of a geometric acceptance with E[tau | L] = ratio * B: the error even a
+    perfectly calibrated prediction makes on one step, since tau itself is random."""
+    target = ratio * block
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # E[tau | L](a) = sum_{s<L} a^s increases in a
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**s for s in range(length)) < target else (lo, a)
+    a = (lo + hi) / 2
+    probs = [a ** (k - 1) * (1 - a) for k in range(1, length)] + [a ** (length - 1)]
+    mu = sum(k * p for k, p in enumerate(probs, 1))
+    return sum(abs(k - mu) * p for k, p in enumerate(probs, 1)) / block
+
+
 def calibration(outs, block: int) -> dict:
-    """|predicted - actual tau/B| per step after each request's first WARM_STEPS steps."""
-    all_err, drafted_err, pred, act = [], [], [], []
+    """|predicted - actual tau/B| after each request's first WARM_STEPS steps: per step (all, and
+    drafted steps only, with the floor a calibrated prediction would show on those), and per
+    request (its mean prediction against its mean outcome, averaged over requests)."""
+    all_err, drafted_err, floor, pred, act, per_request = [], [], [], [], [], []
     for o in outs:
         s = o.stats
-        for k, (p, a, d) in enumerate(zip(s.predicted_ratios, s.accept_lens, s.drafted)):
+        mine_p, mine_a = [], []
+        for k, (p, a, d, v) in enumerate(zip(s.predicted_ratios, s.accept_lens, s.drafted, s.verify_lens)):
             if k < WARM_STEPS:
                 continue
             e = abs(p - a / block)
             all_err.append(e)
             pred.append(p)
             act.append(a / block)
+            mine_p.append(p)
+            mine_a.append(a / block)
             if d:
                 drafted_err.append(e)
+                floor.append(_floor(p, v, block))
+        if mine_p:
+            per_request.append(abs(sum(mine_p) - sum(mine_a)) / len(mine_p))
 
     def mean(x):
         return sum(x) / len(x) if x else None
@@ -70,6 +93,9 @@ def calibration(outs, block: int) -> dict:
         "mae": mean(all_err),
         "drafted_steps": len(drafted_err),
         "mae_drafted": mean(drafted_err),
+        "mae_drafted_floor": mean(floor),
+        "requests": len(per_request),
+        "request_mae": mean(per_request),
         "bias": abs(mean(pred) - mean(act)) if pred else None,
     }
 
@@ -110,6 +136,7 @@ def main(argv=None) -> int:
             for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
                 e.run(requests()[: min(2, n)])
             tput = {m: [] for m in modes}
+            cput = {m: [] for m in modes}
             first = {}
             for rep in range(args.repeats):
                 order = modes[rep % len(modes):] + modes[: rep % len(modes)]
@@ -118,11 +145,12 @@ def main(argv=None) -> int:
                     e.stats = EngineStats()
                     if e.posterior is not None:  # cold calibration: no history carried over
                         e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     outs = e.run(requests())
-                    wall = time.perf_counter() - t0
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     ids = [o.output_ids for o in outs]
                     tput[m].append(sum(len(x) for x in ids) / wall)
+                    cput[m].append(sum(len(x) for x in ids) / cpu)
                     if m == "ar":
                         first.setdefault("ar", ids)
                     elif "ar" in first and ids != first["ar"]:
@@ -139,20 +167,27 @@ def main(argv=None) -> int:
                             "calibration": calibration(outs, block) if m == "adaflash" else None,
                         }
             med = {m: statistics.median(tput[m]) for m in modes}
+            cmed = {m: statistics.median(cput[m]) for m in modes}
             best = max(med.get("ar", 0.0), med.get("dflash", 0.0))
+            cbest = max(cmed.get("ar", 0.0), cmed.get("dflash", 0.0))
             for m in modes:
                 row = {"workload": wname, "concurrency": c, "mode": m, "requests": n,
-                       "throughput_tok_s": med[m], "samples": tput[m], **first[m + "_stats"]}
+                       "throughput_tok_s": med[m], "samples": tput[m],
+                       "cpu_throughput_tok_s": cmed[m], "cpu_samples": cput[m], **first[m + "_stats"]}
                 if m == "adaflash" and best:
                     row["vs_best_fixed"] = med[m] / best
+                    row["cpu_vs_best_fixed"] = cmed[m] / cbest
                 rows.append(row)
-            line = "  ".join(f"{m} {med[m]:7.1f}" for m in modes)
+            line = "  ".join(f"{m} {med[m]:7.1f}/{cmed[m]:7.1f}" for m in modes)
             extra = ""
             if "adaflash" in modes and best:
                 cal = first["adaflash_stats"]["calibration"]
-                extra = (f"  ada/max {med['adaflash'] / best:.3f}  drafted {first['adaflash_stats']['drafted_share']:.2f}"
+                extra = (f"  ada/max wall {med['adaflash'] / best:.3f} cpu {cmed['adaflash'] / cbest:.3f}"
+                         f"  drafted {first['adaflash_stats']['drafted_share']:.2f}"
                          f"  mae {cal['mae'] if cal['mae'] is None else round(cal['mae'], 4)}"
-                         f"  mae(drafted) {cal['mae_drafted'] if cal['mae_drafted'] is None else round(cal['mae_drafted'], 4)}")
+                         f"  mae(drafted) {cal['mae_drafted'] if cal['mae_drafted'] is None else round(cal['mae_drafted'], 4)}"
+                         f" floor {cal['mae_drafted_floor'] if cal['mae_drafted_floor'] is None else round(cal['mae_drafted_floor'], 4)}"
+                         f"  per-request {cal['request_mae'] if cal['request_mae'] is None else round(cal['request_mae'], 4)}")
             print(f"{wname:9s} c={c:3d}  {line}{extra}", flush=True)
     doc = {
         "command": "benchmarks/adaptive/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -163,7 +198,7 @@ def main(argv=None) -> int:
         "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_text_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     print("T=0 equality with ar in every run:", "OK" if equality_ok else "FAILED")
     return 0 if equality_ok else 1
 

@@ -18,7 +18,7 @@ import torch
 
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
-from ..planner.lengths import PlanCost, expected_tau, paper_lengths, plan_lengths, survival_rate
+from ..planner.lengths import PlanCost, expected_tau, plan_lengths, plan_verify_lengths, survival_rate
 from ..target.hf_target import HFTarget, TargetBatch
 from . import flashinfer_sampling
 from .length_policy import OnlineCostModel, StepCostModel
@@ -121,6 +121,7 @@ class SpecEngine:
         draft_off: bool = True,
         probe_every: int = 16,
         probe_share: float = 0.03,
+        explore: bool = False,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
@@ -132,7 +133,9 @@ class SpecEngine:
         requests whose drafts do not pay for themselves, drafting them after `probe_every`
         steps to see whether that changed (the gap doubles after each probe that accepts
         nothing, up to 4 * probe_every, and resets when one accepts) as far as a credit of
-        `probe_share` of the plain steps' cost pays for it (1.0: probe whenever due)."""
+        `probe_share` of the plain steps' cost pays for it (1.0: probe whenever due). With
+        `explore` the draft-or-not plan reads a draw from each request's survival posterior
+        rather than its mean, so a request whose evidence is thin or mixed keeps being tried."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -172,6 +175,8 @@ class SpecEngine:
         if not 0 <= probe_share <= 1:
             raise ValueError(f"probe_share must be in [0, 1], got {probe_share}")
         self.probe_every, self.probe_share = probe_every, probe_share
+        self.explore = explore
+        self._explore_gen = torch.Generator(device=self.device).manual_seed(seed + 1)  # apart from sampling's
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
         self._pending: torch.Tensor | None = None  # [slots, probe_every + 1, K*H] (see _catch_up)
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
@@ -412,13 +417,20 @@ class SpecEngine:
         if quiet and all(s.since_draft > 0 for s in seqs) and self._quiet_steps < 8:
             self._quiet_steps += 1
             return [], []
-        rate, known = self.posterior.estimate(torch.arange(bs, device=self.device))
+        slots = torch.arange(bs, device=self.device)
+        rate, known = self.posterior.estimate(slots)
         force = ~known.cpu() & can  # no history at all: read the drafter once
+        if self.explore:  # plan with posterior draws: uncertain requests get tried
+            draw = self.posterior.sample(slots, self._explore_gen)
+        else:
+            draw = rate
         lens = plan_lengths(
-            rate, self.block_size, cost.plan_cost(),
+            draw, self.block_size, cost.plan_cost(),
             min_len=self._min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
         )
         chosen = (lens.cpu() > 1) | force
+        # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
+        force |= chosen & (draw > rate).cpu()
         spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
         for i in sorted((i for i in due if not chosen[i]), key=lambda i: -seqs[i].since_draft):
             if self._probe_credit < spend + row:
@@ -441,8 +453,8 @@ class SpecEngine:
         spec.head_ratio = ratio
         if self.length_rule == "paper":
             cfg = self.drafter.config
-            lens = paper_lengths(ratio, self.block_size, rate=cfg.length_head_rate, min_len=cfg.length_head_min_len,
-                                 cap=cap[rows].to(ratio.device))
+            lens = plan_verify_lengths(ratio, self.block_size, rule="paper", rate=cfg.length_head_rate,
+                                       min_len=cfg.length_head_min_len, cap=cap[rows].to(ratio.device))
             spec.lengths[rows] = lens.cpu()
             return
         head = survival_rate(ratio, self.block_size)
@@ -461,8 +473,10 @@ class SpecEngine:
         if self._draft_off:
             allow_off[rows] = True
             allow_off[spec.probes] = False  # a probe verifies at least one proposal
-        lens = plan_lengths(survival, self.block_size, sunk, min_len=self._min_len,
-                            cap=row_cap.to(self.device), allow_off=allow_off.to(self.device))
+        full_ratio = torch.zeros(bs, device=self.device)
+        full_ratio[slots] = ratio.float()
+        lens = plan_verify_lengths(full_ratio, self.block_size, rule="load_aware", cost=sunk, min_len=self._min_len,
+                                   cap=row_cap.to(self.device), survival=survival, allow_off=allow_off.to(self.device))
         spec.lengths = lens.cpu()
 
     def _cost(self, batch_size: int) -> StepCostModel:

@@ -99,6 +99,22 @@ class SurvivalPosterior:
         head_mean = pooled[:, 2] / trials.clamp(min=_EPS)
         return self._rate(pooled, head_mean), known
 
+    def sample(self, slots: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A draw of each slot's survival from its posterior (normal with the Beta's mean and
+        variance, clipped to [0, 1)): planning with draws instead of means drafts a request in
+        proportion to the chance that drafting it pays, so a request with little or mixed
+        evidence keeps being tried while one with a long record of failures rarely is."""
+        pooled = self._pooled(slots)
+        s, f = pooled[:, 0], pooled[:, 1]
+        trials = s + f
+        head_mean = pooled[:, 2] / trials.clamp(min=_EPS)
+        alpha = s + self.head_weight * head_mean
+        total = trials + self.head_weight
+        mean = alpha / total
+        std = (mean * (1 - mean) / (total + 1)).clamp(min=0).sqrt()
+        z = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean.device)
+        return (mean + z * std).clamp(0.0, 1 - _EPS)
+
     def calibrate(self, slots: torch.Tensor, head_survival: torch.Tensor) -> torch.Tensor:
         """The head's survival for these slots, corrected by their history: [n]."""
         pooled = self._pooled(slots)

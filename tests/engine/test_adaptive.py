@@ -103,6 +103,30 @@ def _simulate(post, slot, true_a, head_a, steps, block, g):
     return taus
 
 
+def test_posterior_draws_centre_on_the_estimate_and_narrow_with_evidence():
+    """Exploration's draws: their mean is the posterior mean the planner otherwise reads, and
+    their spread shrinks as a request's record grows (a long run of failures is rarely retried).
+    Control: the same failing request with a two-step record is not narrowed."""
+    block, g = 16, torch.Generator().manual_seed(3)
+    draws = torch.Generator().manual_seed(4)
+    post = SurvivalPosterior(2, domain_weight=0.0)
+    post.reset(torch.tensor([0, 1]), ["a", "b"])
+    _simulate(post, 0, 0.5, 0.5, 2, block, g)  # thin evidence
+    _simulate(post, 1, 0.02, 0.5, 40, block, g)  # a long record of failures
+    slots = torch.tensor([0, 1])
+    samples = torch.stack([post.sample(slots, draws) for _ in range(4000)])
+    mean, _ = post.estimate(slots)
+    assert torch.allclose(samples.mean(0), mean, atol=0.02), (samples.mean(0), mean)
+    spread = samples.std(0)
+    assert spread[1] < 0.5 * spread[0], spread
+    assert float((samples[:, 1] > 0.5).float().mean()) < 0.01
+    # control: the failing request with only two steps of record is not narrowed
+    post.reset(torch.tensor([1]), ["b"])
+    _simulate(post, 1, 0.02, 0.5, 2, block, g)
+    short = torch.stack([post.sample(slots, draws) for _ in range(4000)]).std(0)
+    assert not short[1] < 0.5 * short[0], short
+
+
 @pytest.mark.parametrize("true_a, head_a", [(0.05, 0.75), (0.8, 0.4), (0.5, 0.5)])
 def test_calibration_follows_the_requests_history(true_a, head_a):
     block, g = 16, torch.Generator().manual_seed(1)

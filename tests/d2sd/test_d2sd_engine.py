@@ -143,3 +143,26 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
         assert min(pvalues) < 1e-6, pvalues
     else:
         assert min(pvalues) > 1e-4 / NEW, pvalues
+
+
+def test_drafter_contexts_hold_the_committed_path_only(target, drafter):
+    """Both drafters' context K/V after a run equal those computed from a plain forward of the
+    committed tokens: features of rejected nodes and branches never enter them."""
+    from sglang_adaflash.target.hf_target import TargetBatch
+
+    prompt = _prompts(1, seed=11)[0]
+    eng = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, tree_rule="fixed",
+                     max_batch_size=1, max_seq_len=128)
+    out = eng.run([Request(prompt, SamplingParams(max_new_tokens=30))])[0]
+    assert eng.tree_stats["branch_wins"] > 0
+    toks = prompt + out.output_ids[:-1]  # the last token's K/V is not committed yet
+    fresh = target.new_cache(1, 128)
+    target.capture_layer_ids = list(drafter.config.target_layer_ids)
+    _, feats = target.forward(TargetBatch.from_lists([toks], [0]), fresh)
+    pos = torch.arange(len(toks))[None]
+    for model, cache in ((drafter, eng.proposer.cache), (eng.recovery, eng.proposer.rcache)):
+        with torch.inference_mode():
+            kvs = model.context_kv(model.project_context(feats[None]), pos)
+        for layer, (k, v) in enumerate(kvs):
+            torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], k[0], rtol=1e-8, atol=1e-8)
+            torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], v[0], rtol=1e-8, atol=1e-8)

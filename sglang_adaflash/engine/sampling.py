@@ -45,6 +45,12 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
+# Sorting the whole vocabulary for top-p is the sampled step's largest cost on a CPU (a
+# [rows, V] sort per drafter and per target call). When the nucleus lies inside the
+# PARTIAL_TOP best tokens, a top-k of that size gives the very same set for a fraction of it.
+PARTIAL_TOP = 256
+
+
 def filtered_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -54,16 +60,62 @@ def filtered_probs(
     """
     logits = logits.float() / temperature.float()[:, None]
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    if not bool(((top_k > 0) & (top_k < vocab)).any()) and not bool((top_p < 1).any()):
+        return logits.softmax(-1)  # nothing to filter
+    window = min(vocab, max(PARTIAL_TOP, int(top_k.max())))
+    if window < vocab:
+        out = _filtered_in_window(logits, top_k, top_p, window)
+        if out is not None:
+            return out
+    return _filtered_sorted(logits, top_k, top_p)
+
+
+def _keep_mask(sorted_logits: torch.Tensor, probs_sorted_fn, top_k: torch.Tensor,
+               top_p: torch.Tensor) -> torch.Tensor:
+    """Which of the descending-sorted entries survive top-k then top-p (at least the first)."""
+    width = sorted_logits.shape[-1]
+    rank = torch.arange(width, device=sorted_logits.device)[None]
+    k = torch.where(top_k > 0, top_k, width)[:, None]
     drop = rank >= k
-    probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    probs_sorted = probs_sorted_fn(sorted_logits.masked_fill(drop, float("-inf")))
     # drop a token once the mass strictly before it already reaches top_p (keeps at least one)
     mass_before = probs_sorted.cumsum(-1) - probs_sorted
-    drop |= mass_before >= top_p.float()[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return ~(drop | (mass_before >= top_p.float()[:, None]))
+
+
+def _filtered_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    keep = _keep_mask(sorted_logits, lambda x: x.softmax(-1), top_k, top_p)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(-1)
+
+
+def _filtered_in_window(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        window: int) -> torch.Tensor | None:
+    """The same filter over the `window` best tokens; None when some row's set may reach past it.
+
+    A row with 0 < top_k <= window keeps a subset of the window by definition. A row without
+    top-k keeps a token only while the (full-vocabulary) mass before it is below top_p, so when
+    the window's own mass reaches top_p nothing past the window can survive. Rows with no
+    filter at all (a batch mixes requests) get their plain softmax.
+    """
+    top_vals, top_idx = logits.topk(window, dim=-1)  # sorted, descending
+    lse = logits.logsumexp(-1, keepdim=True)
+    restricted = top_k > 0
+    unfiltered = ~restricted & (top_p >= 1)
+    covered = restricted | unfiltered | ((top_vals - lse).exp().sum(-1) >= top_p.float())
+    if not bool(covered.all()):
+        return None
+
+    def probs_sorted(masked: torch.Tensor) -> torch.Tensor:
+        # top-k rows renormalise over their k best; the others keep full-vocabulary probabilities
+        return torch.where(restricted[:, None], masked.softmax(-1), (masked - lse).exp())
+
+    keep = _keep_mask(top_vals, probs_sorted, top_k, top_p)
+    kept = top_vals.masked_fill(~keep, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, top_idx, kept)
+    filtered = torch.where(unfiltered[:, None], logits, filtered)
     return filtered.softmax(-1)
 
 

@@ -32,7 +32,7 @@ def _outputs_by_mode(tmp_path, monkeypatch, pair, workload, *extra):
     return json.loads((tmp_path / "results.json").read_text()), seen
 
 
-def test_sampled_bench_samples_in_every_mode(tiny_pair, workload, tmp_path, monkeypatch):
+def test_sampled_bench_samples_in_every_mode(tiny_pair, workload, tmp_path, monkeypatch, capsys):
     greedy_doc, greedy = _outputs_by_mode(tmp_path / "t0", monkeypatch, tiny_pair, workload, "--modes", "hf,ar,dflash")
     doc, sampled = _outputs_by_mode(tmp_path / "t1", monkeypatch, tiny_pair, workload, "--modes", "hf,ar,dflash",
                                     "--temperature", "1.5", "--top-p", "0.95")
@@ -40,6 +40,7 @@ def test_sampled_bench_samples_in_every_mode(tiny_pair, workload, tmp_path, monk
     assert greedy_doc["config"]["temperature"] == 0.0
     # equality is a T=0 property: off when sampling, on for greedy
     assert doc["equality"]["reference"] is None and doc["equality"]["checked_modes"] == []
+    assert "T=0 equality: not applicable (sampled at T=1.5" in capsys.readouterr().out
     assert greedy_doc["equality"]["checked_modes"] == ["dflash"]
     # a random tiny target at T=1.5 samples away from its argmax: hf really sampled
     assert sampled["hf"] != greedy["hf"]

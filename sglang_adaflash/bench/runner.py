@@ -36,6 +36,7 @@ import torch
 from ..cli.generate import check_seed, make_engine, quiet_transformers
 from ..cli.loading import LoadedPair, load_pair
 from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
+from ..d2sd.cli import options_from_args
 from ..engine.engine import EngineStats
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
@@ -46,7 +47,8 @@ from .plot import plot_results
 
 RESULTS_NAME = "results.json"
 PLOT_NAME = "bench.png"
-ENGINE_MODES = ("ar", "dflash", "adaflash")
+ENGINE_MODES = ("ar", "dflash", "adaflash", "d2sd")
+SPEC_MODES = ("dflash", "adaflash", "d2sd")
 
 
 @dataclass
@@ -70,6 +72,7 @@ class BenchConfig:
     threads: int | None = None
     temperature: float = 0.0  # 0 = greedy; above it every mode samples (hf included)
     top_p: float = 1.0
+    d2sd: dict | None = None  # mode d2sd: D2SDOptions as a dict (recovery drafter, tree_k, ...)
 
 
 @dataclass
@@ -187,8 +190,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
 
     if any(m != "hf" for m in cfg.modes) and "ar" not in cfg.modes:
         log("note: mode 'ar' is not in --modes, so the T=0 equality check has no reference")
-    if any(m in ("dflash", "adaflash") for m in cfg.modes) and pair.drafter is None:
-        raise CLIError("modes dflash and adaflash need --drafter DIR")
+    if any(m in SPEC_MODES for m in cfg.modes) and pair.drafter is None:
+        raise CLIError("modes dflash, adaflash and d2sd need --drafter DIR")
     if "adaflash" in cfg.modes and pair.drafter.length_head is None:
         raise CLIError("mode adaflash needs a drafter with a length head (dflash_config.use_thresh_head_two_model); drop it from --modes")
     workload = build_workload(specs, pair, cfg, cfg.waves * max(cfg.concurrency))
@@ -232,6 +235,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                 else:
                     engine = engines[mode]
                     engine.stats = EngineStats()
+                    if hasattr(engine, "tree_stats"):
+                        engine.tree_stats = dict.fromkeys(engine.tree_stats, 0)
                     t0 = time.perf_counter()
                     outs = engine.run(reqs, progress=bar)
                     wall = time.perf_counter() - t0
@@ -244,6 +249,8 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                     agg["draft_s"] = engine.stats.draft_seconds
                     agg["verify_s"] = engine.stats.verify_seconds
                     agg["prefill_s"] = engine.stats.prefill_seconds
+                    if hasattr(engine, "tree_stats"):  # d2sd: branches drafted, verified and won
+                        agg["tree"] = dict(engine.tree_stats)
                 cpu = time.process_time() - cpu0
                 tokens = sum(len(o) for o in outs_ids)
                 runs.append({"mode": mode, "concurrency": c, "repeat": rep, "requests": n, "generated_tokens": tokens,
@@ -269,7 +276,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                            padding_waste=1 - stats[mode]["generated_tokens"] / hf_decoded if hf_decoded else None)
             results.append(row)
         if "ar" in first and cfg.temperature == 0:
-            for mode in ("dflash", "adaflash"):
+            for mode in SPEC_MODES:
                 if mode not in first:
                     continue
                 for i, (a, b) in enumerate(zip(first["ar"], first[mode])):
@@ -287,7 +294,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         # token-for-token equality holds at T=0 only; sampled runs are lossless in distribution
         # (tests/engine's statistical tests), which one benchmark run cannot show
         "reference": "ar" if "ar" in cfg.modes and cfg.temperature == 0 else None,
-        "checked_modes": ([m for m in ("dflash", "adaflash") if m in cfg.modes]
+        "checked_modes": ([m for m in SPEC_MODES if m in cfg.modes]
                           if "ar" in cfg.modes and cfg.temperature == 0 else []),
         "ok": not mismatches,
         "mismatches": mismatches,
@@ -300,6 +307,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": recorded_command(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("adaflash") else None,
         "config": {**asdict(cfg), "target": recorded_path(cfg.target), "drafter": recorded_path(cfg.drafter),
+                   "d2sd": None if cfg.d2sd is None else {**cfg.d2sd, "recovery_drafter": recorded_path(cfg.d2sd.get("recovery_drafter"))},
                    "prompts": [recorded_path(p) for p in cfg.prompts],
                    "requests_per_concurrency": {str(c): counts[c] for c in cfg.concurrency},
                    "stop_token_ids": list(stop_ids)},
@@ -428,8 +436,12 @@ def bench_and_write(cfg: BenchConfig, out_dir: str | Path, *, progress: bool = T
     if stale:
         print(f"removed {len(stale)} temporary file(s) an interrupted run left in {out}", file=sys.stderr)
     specs = read_prompts(cfg.prompts)
-    need_drafter = any(m in ("dflash", "adaflash") for m in cfg.modes)
+    need_drafter = any(m in SPEC_MODES for m in cfg.modes)
     pair = load_pair(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, need_drafter=need_drafter)
+    if "d2sd" in cfg.modes:
+        from ..d2sd.cli import D2SDOptions, attach_recovery
+
+        attach_recovery(pair, D2SDOptions(**(cfg.d2sd or {})))
     torch.manual_seed(cfg.seed)
     doc = run_bench(cfg, pair, specs, progress=progress, log=lambda m: print(m, file=sys.stderr))
     print(format_table(doc))
@@ -499,6 +511,9 @@ def cmd_bench(args) -> int:
         device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
         threads=args.threads, temperature=args.temperature, top_p=args.top_p,
     )
+    opts = options_from_args(args, args.modes)
+    if opts is not None:
+        cfg.d2sd = opts.to_dict()
     return bench_and_write(cfg, args.out, progress=not args.quiet, strict=args.strict)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..d2sd.cli import attach_recovery, options_from_args
 from ..engine.request import Request, RequestOutput, RequestStats
 from ..engine.sampling import RequestError, SamplingParams
 from .loading import LoadedPair, load_pair
@@ -186,6 +187,8 @@ def make_engine(
     slots = max(slots, 1)
     drafter = pair.drafter if mode != "ar" else None
     need = kv_cache_bytes(pair.target, drafter, mode=mode, max_batch_size=slots, max_seq_len=max_seq_len)
+    if mode == "d2sd":  # the recovery drafter keeps a context cache as large as the first drafter's
+        need += need - kv_cache_bytes(pair.target, None, mode="ar", max_batch_size=slots, max_seq_len=max_seq_len)
     free = available_memory(pair.target.device)
     if free is not None and need > free:
         raise CLIError(
@@ -194,6 +197,10 @@ def make_engine(
             "or the prompts' length"
         )
     try:
+        if mode == "d2sd":
+            from ..d2sd.cli import make_d2sd_engine
+
+            return make_d2sd_engine(pair, slots, max_seq_len, seed)
         return SpecEngine(
             pair.target,
             drafter,
@@ -254,7 +261,9 @@ def cmd_generate(args) -> int:
         specs = read_prompts(args.prompts)
     torch.manual_seed(args.seed)
     quiet_transformers()
+    d2sd = options_from_args(args, [args.mode])
     pair = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, need_drafter=args.mode != "ar")
+    attach_recovery(pair, d2sd)
     limit = getattr(pair.target.config, "max_position_embeddings", None)
     if limit and args.max_new_tokens >= limit:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's {limit} positions")

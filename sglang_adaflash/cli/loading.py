@@ -22,6 +22,8 @@ class LoadedPair:
     drafter: object | None  # DFlashDrafter
     tokenizer: object | None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    recovery: object | None = None  # mode d2sd: the recovery drafter (sglang_adaflash.d2sd.cli)
+    d2sd: object | None = None  # mode d2sd: its D2SDOptions
 
     @property
     def pad_token_id(self) -> int:

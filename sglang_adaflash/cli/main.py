@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..d2sd.cli import add_d2sd_args
 from .prompts import CLIError
 
-MODES = ("ar", "dflash", "adaflash")
+MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
+DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter
+SERVE_MODES = ("ar", "dflash", "adaflash")  # the server and the demo loop do not run d2sd yet
 
 
 def _positive_int(text: str) -> int:
@@ -82,13 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", metavar="TEXT", help="one text prompt")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help="JSONL, one object per line: 'prompt' (text) or 'prompt_ids'; optional 'id', 'domain', 'max_new_tokens'")
-    g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default)")
+    g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default); "
+                   "d2sd = draft trees with a recovery drafter (--recovery-drafter)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per request, unless its JSONL line says otherwise (default 64)")
     g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (default 32)")
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
+    add_d2sd_args(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--traffic-dir", metavar="DIR",
                    help="also write each finished request as a traffic record into DIR, which must be "
@@ -99,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b, drafter_required=False)
     b.add_argument("--prompts", required=True, nargs="+", metavar="FILE.jsonl", help="JSONL prompt file(s)")
     b.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 64], help="comma-separated (default 1,8,32,64)")
-    b.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES), help="comma-separated subset of hf,ar,dflash,adaflash (default all)")
+    b.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES), help="comma-separated subset of hf,ar,dflash,adaflash,d2sd (default all but d2sd)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=64, help="per request (default 64)")
     b.add_argument("--mixed-lengths", action="store_true",
                    help="give each request its own max_new_tokens, uniform in [max/8, max] (seeded)")
@@ -114,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample every request at this temperature, hf included (default 0: greedy; the "
                         "T=0 equality check against ar runs only at 0)")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1)")
+    add_d2sd_args(b)
     b.add_argument("--strict", action="store_true", help="exit 1 when a speculative mode's output differs from ar's at T=0")
     b.add_argument("--out", required=True, metavar="DIR", help="writes DIR/results.json and DIR/bench.png")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -138,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true")
     loop = d.add_argument_group("the closed loop")
     loop.add_argument("--quick", action="store_true", help="about 3 minutes: smaller phases and one small round")
-    loop.add_argument("--mode", choices=MODES, default="dflash",
+    loop.add_argument("--mode", choices=SERVE_MODES, default="dflash",
                       help="serving mode (default dflash: every drafted slot is verified, so live tau "
                            "shows what the drafter learned; see docs/serving.md)")
     loop.add_argument("--target", default="embedded", type=_model_dir("target"), metavar="DIR",
@@ -165,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--keep-home", action="store_true", help="keep the temporary volume (its path is printed)")
     loop.add_argument("--start-timeout", type=float, default=300.0, help="seconds for each child to start")
     static = d.add_argument_group("--static only")
-    static.add_argument("--modes", type=_mode_list, default=list(BENCH_MODES))
+    static.add_argument("--modes", type=_mode_list, default=list(DEFAULT_BENCH_MODES))
     static.add_argument("--num-prompts", type=_positive_int, default=None)
     static.add_argument("--cache-dir", default=".cache", metavar="DIR",
                         help="where a tiny pair is built when the embedded one is missing")

@@ -1,0 +1,88 @@
+"""Mode d2sd on the command line: its flags, loading the recovery drafter, building the engine."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..cli.prompts import CLIError
+from . import TREE_RULES
+
+RECOVERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "recovery_drafter"
+
+
+@dataclass
+class D2SDOptions:
+    recovery_drafter: str | None = None
+    tree_k: int = 2
+    branch_len: int = 4
+    tree_rule: str = "load_aware"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _recovery_dir(text: str) -> str:
+    return str(RECOVERY_DIR) if text == "embedded" else text
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_d2sd_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mode d2sd (dual-drafter prefix trees)")
+    g.add_argument("--recovery-drafter", metavar="DIR", type=_recovery_dir,
+                   help="variable-prefix recovery drafter checkpoint, or `embedded` for the bundled one")
+    g.add_argument("--tree-k", type=_count, default=D2SDOptions.tree_k,
+                   help=f"most recovery branches per request and step (default {D2SDOptions.tree_k}; 0 = a chain)")
+    g.add_argument("--branch-len", type=_count, default=D2SDOptions.branch_len,
+                   help=f"most tokens per branch (default {D2SDOptions.branch_len})")
+    g.add_argument("--tree-rule", choices=TREE_RULES, default=D2SDOptions.tree_rule,
+                   help="load_aware: the step's cost decides how much of the tree to use (default); fixed: all of it")
+
+
+def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
+    if "d2sd" not in modes:
+        return None
+    if args.recovery_drafter is None:
+        raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
+    if args.branch_len < 1:
+        raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
+    return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.tree_rule)
+
+
+def attach_recovery(pair, options: D2SDOptions | None) -> None:
+    """Load the recovery drafter next to the pair's first drafter (CLIError when it is unusable)."""
+    from ..drafter.checkpoint import CheckpointError
+    from .recovery_drafter import load_recovery_drafter
+
+    if options is None:
+        return
+    if pair.drafter is None:
+        raise CLIError("mode d2sd needs --drafter DIR (the first drafter) as well as --recovery-drafter")
+    try:
+        pair.recovery = load_recovery_drafter(options.recovery_drafter, pair.drafter, dtype=pair.target.dtype,
+                                              device=pair.target.device)
+    except CheckpointError as e:
+        raise CLIError(" ".join(str(e).split())) from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CLIError(f"recovery drafter {options.recovery_drafter} cannot be loaded: {' '.join(str(e).split())}") from None
+    pair.d2sd = options
+
+
+def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
+    from .engine import D2SDEngine
+
+    opts = getattr(pair, "d2sd", None)
+    if opts is None or getattr(pair, "recovery", None) is None:
+        raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
+    return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
+                      tree_rule=opts.tree_rule, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

@@ -1,0 +1,295 @@
+"""Mode `d2sd`: the reference engine's decode step with a draft tree instead of a chain.
+
+Each step: the first drafter proposes the chain (one forward, as in `dflash`); its confidences
+pick the recovery points and the load-aware rule prices the branches (recovery.py); the
+recovery drafter continues every chosen branch in one batched forward; the target verifies all
+trees in one forward with the ancestor mask (tree_target.py); each request commits its longest
+accepted path (tree_verify.py), and only that path's K/V and target features are kept.
+Admission, prefill, retirement and the request API are SpecEngine's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..drafter.model import DFlashDrafter
+from ..engine.engine import SpecEngine, _Seq
+from ..engine.sampling import filtered_probs
+from ..target.hf_target import HFTarget
+from . import TREE_RULES
+from .recovery import TreeCost, plan_tree
+from .recovery_drafter import TreeProposer
+from .tree import Branch, TreeRow, build_row, flatten
+from .tree_target import commit_paths, gather_nodes, tree_forward
+from .tree_verify import PathResult, greedy_walk, sampling_walk
+
+
+class D2SDEngine(SpecEngine):
+    def __init__(
+        self,
+        target: HFTarget,
+        drafter: DFlashDrafter,
+        recovery: DFlashDrafter,
+        *,
+        tree_k: int = 2,
+        branch_len: int = 4,
+        tree_rule: str = "load_aware",
+        beta: float = 0.5,
+        alt_prior: float = 0.3,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        **kw,
+    ):
+        """`tree_k` and `branch_len` bound the tree (branches per request, tokens per branch);
+        under the load-aware rule the step's cost decides how much of it to use, `fixed` always
+        takes all of it. `beta` is the prior per-slot survival of a branch's continuation and
+        `alt_prior` the prior chance that a branch's first token is right where the chain fails;
+        both are then measured as the engine serves."""
+        if drafter is None or recovery is None:
+            raise ValueError("mode 'd2sd' needs a drafter and a recovery drafter (--recovery-drafter DIR)")
+        if tree_k < 0 or branch_len < 1:
+            raise ValueError(f"d2sd needs tree_k >= 0 and branch_len >= 1, got {tree_k} and {branch_len}")
+        if tree_rule not in TREE_RULES:
+            raise ValueError(f"tree_rule must be one of {TREE_RULES}, got {tree_rule!r}")
+        for d in (drafter, recovery):
+            d.share_target_modules(target.embed_tokens, target.lm_head)
+        capacity = max_seq_len + drafter.config.block_size + 1
+        proposer = TreeProposer(drafter, recovery, num_slots=max_batch_size, capacity=capacity)
+        proposer.target_layer_ids = list(drafter.config.target_layer_ids)
+        kw.pop("mode", None)
+        super().__init__(target, drafter, mode="dflash", proposer=proposer, max_batch_size=max_batch_size,
+                         max_seq_len=max_seq_len, **kw)
+        self.mode = "d2sd"
+        self.recovery = recovery
+        self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule
+        self.trim_chain = True  # under load_aware, the chain's length is planned too
+        self.beta = beta
+        self._beta_obs = [0.0, 0.0]  # continuation slots accepted, tried (decayed)
+        self._alt_obs = [0.0, 0.0]  # branch first tokens accepted, tried after a chain rejection (decayed)
+        self.alt_prior = alt_prior
+        self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
+        self._raw_conf: dict[int, torch.Tensor] = {}
+        self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
+        self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "steps": 0}
+
+    # -- the two drafting calls (tests override them with oracles) -------------------------
+    def _chain_logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
+        """[n, B-1, V] logits of block slots 1..B-1 for the given rows."""
+        last = torch.tensor([seqs[i].last_token for i in rows], device=self.device)
+        ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
+        hidden = self.proposer.propose(last, ctx, None, slots=rows)
+        return self.drafter.logits(hidden[:, 1:])
+
+    def _branch_logits(self, seqs: list[_Seq], block_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """[m, B, V] recovery-drafter logits for blocks block_ids [m, B] of the given rows."""
+        ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
+        slots = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.recovery.logits(self.proposer.propose_branches(block_ids, ctx, slots))
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        seqs, t0 = self.running, time.perf_counter()
+        bs, b = len(seqs), self.block_size
+        cap = [min(b, s.remaining) for s in seqs]
+        drafted = [i for i in range(bs) if cap[i] > 1]
+        trees = [build_row(s.last_token, [], []) for s in seqs]
+        self._raw_conf = {}
+        if drafted:
+            self._draft_trees(seqs, drafted, cap, trees)
+        t1 = time.perf_counter()
+        flat = flatten(trees, self.device)
+        starts = torch.tensor([s.cache_len for s in seqs], device=self.device)
+        fwd = tree_forward(self.target, self.cache, flat, starts)
+        results = self._walk(seqs, trees, fwd.logits)
+        width = max(len(r.path) for r in results)
+        paths = torch.zeros(bs, width, dtype=torch.long)
+        for i, r in enumerate(results):
+            paths[i, : len(r.path)] = torch.tensor(r.path)
+        paths = paths.to(self.device)
+        commit_paths(self.cache, fwd.node_kv, paths, starts)
+        if fwd.aux is not None:
+            self.proposer.extend_context(gather_nodes(fwd.aux, paths), starts, list(range(bs)))
+        self._observe_branches(trees, results, cap)
+        self._observe_chain(results)
+        for seq, tree, r in zip(seqs, trees, results):
+            seq.stats.record(tree.size, r.num_accepted)
+            seq.cache_len += len(r.tokens)
+            self.stats.committed_tokens += len(r.tokens)
+            self._append(seq, r.tokens)
+        t2 = time.perf_counter()
+        verified = int(flat.sizes.sum())
+        self.stats.steps += 1
+        self.stats.batch_sizes.append(bs)
+        self.stats.verified_tokens += verified
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        self.tree_stats["steps"] += 1
+        if self._online_cost is not None:
+            self._online_cost.observe(bs, verified, t2 - t1, drafted=len(drafted), draft_seconds=t1 - t0,
+                                      proposals=verified - bs)
+
+    def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
+        logits = self._chain_logits(seqs, rows)  # [n, B-1, V]
+        hot = [j for j, i in enumerate(rows) if not seqs[i].req.sampling.greedy]
+        q = logits.float().softmax(-1)
+        if hot:
+            temp, top_k, top_p = self._sampling_tensors([seqs[rows[j]] for j in hot], logits.shape[1])
+            q[hot] = filtered_probs(logits[hot].flatten(0, 1), temp, top_k, top_p).view(len(hot), logits.shape[1], -1)
+        chain = q.argmax(-1)  # [n, B-1]
+        if hot:
+            chain[hot] = self._sample(q[hot].flatten(0, 1)).view(len(hot), -1)
+        top1 = q.max(-1).values  # distribution-only inputs to the plan (see tree_verify)
+        caps = torch.tensor([cap[i] for i in rows], device=self.device)
+        conf = self._calibrated(top1)
+        plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
+                         beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
+                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain)
+        chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
+        chain_len = plan.chain.tolist()
+        self._raw_conf = {i: top1[j, : chain_len[j] - 1] for j, i in enumerate(rows)}
+        hot_set = set(hot)
+        pending = [(j, r, ln) for j in range(len(rows)) for r, ln in zip(slots_l[j], lens_l[j]) if ln >= 1]
+        branches = self._branches(seqs, rows, chain_l, pending, hot_set) if pending else {}
+        for j, i in enumerate(rows):
+            n_chain = chain_len[j] - 1
+            chain_q = q[j, :n_chain] if j in hot_set else None
+            trees[i] = build_row(seqs[i].last_token, chain_l[j][:n_chain], branches.get(j, []), chain_q)
+
+    def _branches(self, seqs, rows, chain_l, pending, hot_set) -> dict[int, list[Branch]]:
+        """One recovery-drafter forward for every (row j, slot r, length l): its block holds the
+        chain's tokens before slot r and masks from r on; the branch is its best token at r other
+        than the chain's (sampled at T > 0 from its distribution without the chain's token), then
+        its tokens at r+1 .. r+l-1."""
+        b = self.block_size
+        ids = torch.full((len(pending), b), self.drafter.config.mask_token_id, dtype=torch.long)
+        for m, (j, r, _) in enumerate(pending):
+            known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
+            ids[m, : len(known)] = torch.tensor(known)
+        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _ in pending])  # [m, B, V]
+        out: dict[int, list[Branch]] = {}
+        for m, (j, r, ln) in enumerate(pending):
+            span = logits[m, r : r + ln]  # slots r .. r+l-1
+            if j in hot_set:
+                seq = seqs[rows[j]]
+                q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
+            else:
+                q = span.float()
+            first = q[0].clone()
+            first[chain_l[j][r - 1]] = 0.0 if j in hot_set else float("-inf")  # differs from the chain's token
+            if j in hot_set:
+                if float(first.sum()) <= 0:
+                    continue
+                first = first / first.sum()
+                toks = [int(self._sample(first[None])[0])] + (self._sample(q[1:]).tolist() if ln > 1 else [])
+                br = Branch(r, toks, [first] + list(q[1:]))
+            else:
+                br = Branch(r, [int(first.argmax())] + q[1:].argmax(-1).tolist())
+            out.setdefault(j, []).append(br)
+        return out
+
+    def _walk(self, seqs, trees: list[TreeRow], logits: torch.Tensor) -> list[PathResult]:
+        ids = logits.argmax(-1).tolist()
+        out = []
+        for i, (seq, tree) in enumerate(zip(seqs, trees)):
+            if seq.req.sampling.greedy:
+                out.append(greedy_walk(tree, ids[i][: tree.size]))
+                continue
+            temp, top_k, top_p = self._sampling_tensors([seq], tree.size)
+            p = filtered_probs(logits[i, : tree.size], temp, top_k, top_p)
+            out.append(sampling_walk(tree, p, self.generator))
+        return out
+
+    # -- costs and the branch survival -----------------------------------------------------
+    def _beta(self) -> float:
+        won, tried = self._beta_obs
+        return (won + 4 * self.beta) / (tried + 4)  # a prior worth four slots
+
+    def _alt_rate(self) -> float:
+        """How often a branch's first token is right when the chain's is wrong there (measured)."""
+        won, tried = self._alt_obs
+        return (won + 4 * self.alt_prior) / (tried + 4)
+
+    def _observe_branches(self, trees: list[TreeRow], results: list[PathResult], cap) -> None:
+        """Continuation slots tried and accepted on branches whose alternative was accepted."""
+        won = tried = alt_won = alt_tried = 0.0
+        for tree, r in zip(trees, results):
+            chain_end = next((k for k in range(1, tree.size) if tree.parents[k] != k - 1), tree.size)
+            on_branch = [n for n in r.path if n >= chain_end]
+            n_branch = tree.size - chain_end
+            firsts = [k for k in range(chain_end, tree.size) if tree.parents[k] < chain_end]
+            self.tree_stats["branches"] += len(firsts)
+            path = set(r.path)
+            for k in firsts:  # tested: its parent was reached and the chain's token there rejected
+                parent = tree.parents[k]
+                if parent in path and parent + 1 not in path:
+                    alt_tried += 1
+                    alt_won += k in path
+            self.tree_stats["branch_tokens"] += n_branch
+            if on_branch:
+                self.tree_stats["branch_wins"] += 1
+                first = on_branch[0]
+                kids = tree.children()
+                length, node = 0, first
+                while kids[node]:
+                    node = kids[node][0]
+                    length += 1
+                tried += length
+                won += len(on_branch) - 1
+        self._beta_obs = [0.98 * self._beta_obs[0] + won, 0.98 * self._beta_obs[1] + tried]
+        self._alt_obs = [0.98 * self._alt_obs[0] + alt_won, 0.98 * self._alt_obs[1] + alt_tried]
+
+    def _tree_cost_model(self, bs: int, rows: list[int]) -> TreeCost | None:
+        if self.tree_rule == "fixed":
+            return None
+        c = self._cost(bs)
+        if self._tree_cost is None:
+            self._tree_cost = self._profile_recovery()
+        per_branch, branch_fixed = self._tree_cost
+        # the chain's drafting is paid already; undrafted rows verify their bonus token
+        fixed = c.fixed + c.draft_fixed + c.per_draft * len(rows) + c.per_token * (bs - len(rows))
+        return TreeCost(fixed=fixed, per_token=c.per_token, per_branch=per_branch, branch_fixed=branch_fixed)
+
+    # -- calibration of the chain's confidence ---------------------------------------------
+    _BINS = 10
+
+    def _calibrated(self, conf: torch.Tensor) -> torch.Tensor:
+        """The chain's survival per slot, read from its confidence through the acceptance
+        actually seen at that confidence (binned, shrunk to the raw value with 4 slots' weight)."""
+        if self.tree_rule == "fixed":
+            return conf
+        tested, won = self._calib
+        b = (conf * self._BINS).long().clamp(max=self._BINS - 1)
+        return (won.to(conf.device)[b] + 4 * conf) / (tested.to(conf.device)[b] + 4)
+
+    def _observe_chain(self, results: list[PathResult]) -> None:
+        """Chain slots verified (reached with every earlier chain slot accepted) and accepted."""
+        tested, won = self._calib
+        tested.mul_(0.995)
+        won.mul_(0.995)
+        for i, r in enumerate(results):
+            raw = self._raw_conf.get(i)
+            if raw is None or raw.numel() == 0:
+                continue
+            on_chain = next((k for k, n in enumerate(r.path) if n != k), len(r.path)) - 1  # accepted chain slots
+            upto = min(on_chain + 1, raw.numel())
+            b = (raw[:upto].float().cpu() * self._BINS).long().clamp(max=self._BINS - 1)
+            tested.index_add_(0, b, torch.ones(upto))
+            won.index_add_(0, b[:on_chain], torch.ones(min(on_chain, upto)))
+
+    def _profile_recovery(self, repeats: int = 2) -> tuple[float, float]:
+        """Seconds of the recovery drafter's forward: a fixed part and a part per branch."""
+        times, wide = [], min(8, self.max_batch_size)
+        for m in (1, wide):
+            ids = torch.full((m, self.block_size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+            zero = torch.zeros(m, dtype=torch.long, device=self.device)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.proposer.propose_branches(ids, zero + 1, zero)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        per = max((times[1] - times[0]) / max(wide - 1, 1), 0.0)
+        return per, max(times[0] - per, 0.0)

@@ -1,0 +1,155 @@
+"""Where to branch and how long: recovery points from the chain's confidence, priced like verify lengths.
+
+The first drafter's confidence c_k at block slot k (its top-token probability) is read as the
+chance that proposal k survives verification. The chain then first fails at slot r with
+probability f_r = c_1 ... c_{r-1} (1 - c_r): the recovery points are the top-K slots by f_r.
+
+A branch at r offers an alternative a_r for slot r (the recovery drafter's, conditioned on the
+chain's tokens before r) and l - 1 more tokens after it. Failing at r commits the target's own
+token there anyway, so what the branch adds is the bonus after a_r and the continuation's
+accepted tokens: with rho the chance that a_r is right once the chain's token is wrong and beta
+the continuation's per-slot survival (both measured online by the engine),
+
+    gain(r, l) = f_r * rho * (1 + beta + ... + beta^(l-1)).
+
+It costs l verified tokens and the recovery drafter's rows for one block, plus, once per step
+when anyone branches, the recovery drafter's fixed cost. The chain's own slots are priced the
+same way (slot k is worth c_1 ... c_k), so the load-aware rule may shorten the chain too. The
+plan maximises expected committed tokens per second of the whole step, the rule the verify
+lengths follow (sglang_adaflash.planner): Dinkelbach's method over a price lambda, each
+candidate taking the l that maximises gain - lambda * cost (0 = no branch). At high concurrency
+lambda rises toward 1 / per_token, and branches whose expected tokens per verified token fall
+below the batch's own rate are dropped: the tree shrinks to the chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TreeCost:
+    """Seconds of one decode step, as the planner's PlanCost, plus the recovery drafter's part."""
+
+    fixed: float  # the step's cost before any drafted row's verify slots (the chain's drafting included)
+    per_token: float
+    per_branch: float = 0.0  # recovery-drafter rows for one branch block
+    branch_fixed: float = 0.0  # the recovery drafter's forward, once per step
+
+
+def first_fail(conf: torch.Tensor) -> torch.Tensor:
+    """conf [n, S] confidences of slots 1..S -> [n, S] probability the chain first fails there."""
+    reach = torch.cumprod(torch.cat([conf.new_ones(conf.shape[0], 1), conf[:, :-1]], 1), 1)
+    return reach * (1 - conf)
+
+
+def chain_tau(conf: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """E[committed tokens] of each chain verified to length L (slot 0 included)."""
+    reach = torch.cumprod(conf, 1)  # [n, S]: slots 1..k all survive
+    upto = torch.arange(conf.shape[1], device=conf.device)[None] < (lengths[:, None] - 1)
+    return 1 + (reach * upto).sum(1)
+
+
+@dataclass
+class BranchPlan:
+    slots: torch.Tensor  # [n, K] chain slot r of each candidate (1-based)
+    lengths: torch.Tensor  # [n, K] branch length (0 = not taken)
+    value: float  # expected committed tokens per second of the plan
+    chain: torch.Tensor | None = None  # [n] chain verify lengths (slot 0 included)
+
+
+def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int, f: torch.Tensor | None = None):
+    """Top-k recovery slots per row by first-fail probability, within each chain's length.
+
+    Returns slots [n, k] (1-based) and their f [n, k] (0 where a row has fewer slots)."""
+    f = first_fail(conf) if f is None else f
+    s = conf.shape[1]
+    inside = torch.arange(1, s + 1, device=conf.device)[None] < lengths[:, None]  # slot r < L
+    f = f.masked_fill(~inside, 0.0)
+    k = min(k, s)
+    top, idx = f.topk(k, dim=1)
+    return idx + 1, top
+
+
+def plan_tree(
+    conf: torch.Tensor,
+    rho: torch.Tensor,
+    cap: torch.Tensor,
+    *,
+    k: int,
+    branch_len: int,
+    beta: float,
+    cost: TreeCost | None,
+    trim_chain: bool = False,
+    rounds: int = 8,
+) -> BranchPlan:
+    """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify.
+
+    cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
+    as long as fits. Otherwise the plan maximising expected tokens per second; trim_chain lets
+    it shorten the chains too, slot k kept while its survival c_1 ... c_k pays its verify slot
+    at the plan's price (a chain keeps at least one proposal).
+    """
+    cap = cap.long()
+    if cost is None:
+        slots, f = candidates(conf, cap, k)
+        longest = (cap[:, None] - slots).clamp(min=0, max=branch_len)
+        return BranchPlan(slots, torch.where(f > 0, longest, 0), float("nan"), cap)
+    # a few dozen numbers per row: numpy on the host is several times faster than torch here
+    dev = conf.device
+    c = conf.detach().double().cpu().numpy()
+    r_all = rho.detach().double().cpu().numpy()
+    capn = cap.cpu().numpy()
+    n, s = c.shape
+    reach = np.cumprod(c, 1)
+    f_all = np.concatenate([np.ones((n, 1)), reach[:, :-1]], 1) * (1 - c)
+    tau_at = np.concatenate([np.ones((n, 1)), 1 + reach.cumsum(1)], 1)  # [n, S+1]: E[tau | L] at L-1
+    in_cap = np.arange(1, s + 1)[None] < capn[:, None]
+    ls = np.arange(branch_len + 1, dtype=np.float64)  # branch lengths 0..lmax
+    cont = np.concatenate([[0.0], np.cumsum(beta ** ls[:-1])])  # 1 + beta + ... (l terms)
+    row_cost = cost.per_token * ls + cost.per_branch * (ls > 0)
+    kk = min(k, s)
+    rows = np.arange(n)[:, None]
+
+    def plan_at(lam: float, branching: bool):
+        chain = capn
+        if trim_chain:
+            keep = np.cumprod((reach > lam * cost.per_token) & in_cap, 1).sum(1)
+            chain = np.minimum(1 + np.maximum(keep, 1), capn)
+        f = np.where(np.arange(1, s + 1)[None] < chain[:, None], f_all, 0.0)
+        idx = np.argsort(-f, 1, kind="stable")[:, :kk]
+        fk = f[rows, idx]
+        slots = idx + 1
+        longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, branch_len), 0) if branching else np.zeros_like(slots)
+        gain = (fk * r_all[rows, idx])[..., None] * cont[None, None]  # [n, K, lmax+1]
+        net = np.where(ls[None, None] > longest[..., None], -np.inf, gain - lam * row_cost)
+        choice = net.argmax(-1)
+        tokens = tau_at[np.arange(n), chain - 1].sum() + np.take_along_axis(gain, choice[..., None], 2).sum()
+        spent = (cost.fixed + cost.per_token * chain.sum() + row_cost[choice].sum()
+                 + cost.branch_fixed * bool((choice > 0).any()))
+        return slots, choice, float(tokens / spent), chain
+
+    best = None
+    for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
+        lam = 0.0
+        for _ in range(rounds):
+            plan = plan_at(lam, branching)
+            if best is None or plan[2] > best[2]:
+                best = plan
+            if plan[2] <= lam * (1 + 1e-7):
+                break
+            lam = plan[2]
+    slots, choice, value, chain = best
+
+    def t(x):
+        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long, device=dev)
+
+    return BranchPlan(t(slots), t(choice), value, t(chain))
+
+
+def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8) -> BranchPlan:
+    """The plan for chains of fixed lengths (the verify lengths are given)."""
+    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds)

@@ -1,0 +1,72 @@
+"""An oracle D2SD engine: chain and branches from the target's own greedy continuation, with
+corrupted slots, so branches really win and the commit paths through them are exercised."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_adaflash.d2sd.engine import D2SDEngine
+from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
+from sglang_adaflash.testing.fixtures import tiny_drafter
+
+
+def recovery_for(first, seed=7, **kw):
+    """A random drafter shaped like `first`, declared a recovery drafter."""
+    rec = tiny_drafter(seed=seed, **kw)
+    ada = dict(rec.config.raw.get("adaflash_config") or {})
+    ada[RECOVERY_KEY] = recovery_marker()
+    rec.config = rec.config.replace(raw={**rec.config.raw, "adaflash_config": ada})
+    return rec
+
+
+class OracleD2SD(D2SDEngine):
+    def __init__(self, *a, error_rate=0.3, oracle_seed=0, **kw):
+        super().__init__(*a, **kw)
+        self.error_rate = error_rate
+        self.gen = torch.Generator().manual_seed(oracle_seed)
+        self._greedy: dict[tuple, list[int]] = {}
+        self._chains: dict[int, list[int]] = {}
+
+    def _continuation(self, hist, n):
+        for seq in self._greedy.values():
+            if len(seq) >= len(hist) + n and seq[: len(hist)] == hist:
+                return seq[len(hist) : len(hist) + n]
+        out = self.target.model.generate(torch.tensor([hist]), max_new_tokens=64, min_new_tokens=64,
+                                         do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+        self._greedy[tuple(hist)] = out
+        return out[len(hist) : len(hist) + n]
+
+    def _logits(self, right, confident):
+        """Right token on top (or second, when corrupted), a confidence that flags corruption."""
+        vocab = self.target.vocab_size
+        out = torch.zeros(len(right), vocab, dtype=torch.float64)
+        for k, tok in enumerate(right):
+            if torch.rand((), generator=self.gen) < self.error_rate:
+                wrong = (tok + 1 + int(torch.randint(0, vocab - 1, (1,), generator=self.gen))) % vocab
+                out[k, wrong], out[k, tok] = 3.0, 2.5
+            else:
+                out[k, tok] = 9.0 if confident else 4.0
+        return out
+
+    def _chain_logits(self, seqs, rows):
+        b = self.block_size
+        outs = []
+        for i in rows:
+            hist = seqs[i].req.prompt_ids + seqs[i].output
+            outs.append(self._logits(self._continuation(hist, b - 1), True))
+            self._chains[i] = outs[-1].argmax(-1).tolist()
+        return torch.stack(outs)
+
+    def _branch_logits(self, seqs, block_ids, rows):
+        b = self.block_size
+        outs = []
+        for m, i in enumerate(rows):
+            ids = block_ids[m].tolist()
+            chain = [seqs[i].last_token] + self._chains[i]
+            r = next(k for k in range(1, b) if ids[k] != chain[k])  # the first masked slot
+            hist = seqs[i].req.prompt_ids + seqs[i].output + ids[1:r]
+            cont = self._continuation(hist, b - r)
+            out = torch.zeros(b, self.target.vocab_size, dtype=torch.float64)
+            out[r:] = self._logits(cont, True)
+            outs.append(out)
+        return torch.stack(outs)

@@ -1,0 +1,168 @@
+"""Mode d2sd is lossless: T=0 equals plain greedy decoding (requests joining mid-run); T>0
+follows the target's distribution at every position (chi-square, with a wrong-sampler control)."""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from sglang_adaflash.d2sd.engine import D2SDEngine
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sampling import SamplingParams, filtered_probs
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
+
+from .conftest import OracleD2SD, recovery_for
+from .test_tree_verify import _no_residual_walk
+
+
+def _prompts(n, seed=3, lo=2, hi=14, vocab=90):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def _run(eng, prompts, max_new):
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new)])
+    assert all(o.ok for o in outs)
+    return [o.output_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_drafter()
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+@pytest.mark.parametrize("rule", ["fixed", "load_aware"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_ar_with_joins(target, drafter, oracle, rule, batch):
+    prompts = _prompts(7, seed=batch)
+    max_new = [9, 1, 17, 5, 12, 3, 20]
+    ar = _run(SpecEngine(target, None, mode="ar", max_batch_size=batch, max_seq_len=128), prompts, max_new)
+    cls = OracleD2SD if oracle else D2SDEngine
+    eng = cls(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, tree_rule=rule,
+              max_batch_size=batch, max_seq_len=128, cost_model=StepCostModel(1.0, 1e-4))
+    assert _run(eng, prompts, max_new) == ar
+    if oracle:
+        assert eng.tree_stats["branch_wins"] > 5, eng.tree_stats  # paths through branches were committed
+        taus = eng.stats.committed_tokens / eng.stats.steps
+        assert taus > 2
+
+
+def test_branches_add_accepted_tokens_over_the_chain(target, drafter):
+    """The same oracle chain with and without branches (tree_k=0 is a chain)."""
+    prompts = _prompts(4, seed=5)
+    max_new = [24] * 4
+    steps = {}
+    for k in (0, 3):
+        eng = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=k, branch_len=4, tree_rule="fixed",
+                         max_batch_size=4, max_seq_len=128)
+        _run(eng, prompts, max_new)
+        steps[k] = eng.stats.steps
+    assert steps[3] < steps[0]
+
+
+def test_load_aware_tree_shrinks_to_a_chain_when_verify_tokens_are_dear(target, drafter):
+    prompts = _prompts(6, seed=7)
+    cheap = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, max_batch_size=6,
+                       max_seq_len=128, cost_model=StepCostModel(1.0, 1e-4))
+    dear = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, max_batch_size=6,
+                      max_seq_len=128, cost_model=StepCostModel(1e-4, 1.0))
+    _run(cheap, prompts, [16] * 6)
+    _run(dear, prompts, [16] * 6)
+    assert cheap.tree_stats["branch_tokens"] > 0
+    assert dear.tree_stats["branch_tokens"] == 0
+
+
+# -- T > 0 ------------------------------------------------------------------------------------
+
+VOCAB, BLOCK, PROMPT = 6, 4, [1, 4, 2]
+NEW = BLOCK + 2
+
+
+def _conditional_pvalues(target, sp, samples, min_group=25):
+    cache = {}
+
+    def dist(prefix):
+        if prefix not in cache:
+            with torch.no_grad():
+                logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:]
+            cache[prefix] = filtered_probs(logits, torch.tensor([sp.temperature]), torch.tensor([sp.top_k]),
+                                           torch.tensor([sp.top_p]))[0].double()
+        return cache[prefix]
+
+    out = []
+    for t in range(NEW):
+        groups = {}
+        for s in samples:
+            groups.setdefault(s[:t], []).append(s[t])
+        stat, dof, impossible = 0.0, 0, False
+        for prefix, toks in groups.items():
+            if len(toks) < min_group:
+                continue
+            p = dist(prefix)
+            counts = torch.bincount(torch.tensor(toks), minlength=VOCAB).double()
+            impossible |= bool(counts[p == 0].sum() > 0)
+            exp = p * len(toks)
+            big = exp >= 5
+            obs_c = torch.cat([counts[big], counts[~big].sum()[None]])
+            exp_c = torch.cat([exp[big], exp[~big].sum()[None]])
+            keep = exp_c > 0
+            stat += float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
+            dof += int(keep.sum()) - 1
+        assert dof > 0
+        out.append(0.0 if impossible else float(chi2.sf(stat, dof)))
+    return out
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
+    """Trees with two branches per step, greedy rows mixed in; control: a sampler that does not
+    move to the residual after a rejected candidate is rejected."""
+    if wrong:
+        monkeypatch.setattr("sglang_adaflash.d2sd.engine.sampling_walk", _no_residual_walk)
+    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
+    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, tree_rule="fixed", max_batch_size=64,
+                     max_seq_len=32, seed=321)
+    sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
+    greedy = SamplingParams(max_new_tokens=NEW)
+    reqs = [Request(list(PROMPT), greedy if i % 10 == 0 else sp) for i in range(4000)]
+    outs = eng.run(reqs)
+    samples = [tuple(o.output_ids) for o, r in zip(outs, reqs) if not r.sampling.greedy]
+    assert len({tuple(o.output_ids) for o, r in zip(outs, reqs) if r.sampling.greedy}) == 1
+    assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats
+    pvalues = _conditional_pvalues(target, sp, samples)
+    if wrong:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-4 / NEW, pvalues
+
+
+def test_drafter_contexts_hold_the_committed_path_only(target, drafter):
+    """Both drafters' context K/V after a run equal those computed from a plain forward of the
+    committed tokens: features of rejected nodes and branches never enter them."""
+    from sglang_adaflash.target.hf_target import TargetBatch
+
+    prompt = _prompts(1, seed=11)[0]
+    eng = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, tree_rule="fixed",
+                     max_batch_size=1, max_seq_len=128)
+    out = eng.run([Request(prompt, SamplingParams(max_new_tokens=30))])[0]
+    assert eng.tree_stats["branch_wins"] > 0
+    toks = prompt + out.output_ids[:-1]  # the last token's K/V is not committed yet
+    fresh = target.new_cache(1, 128)
+    target.capture_layer_ids = list(drafter.config.target_layer_ids)
+    _, feats = target.forward(TargetBatch.from_lists([toks], [0]), fresh)
+    pos = torch.arange(len(toks))[None]
+    for model, cache in ((drafter, eng.proposer.cache), (eng.recovery, eng.proposer.rcache)):
+        with torch.inference_mode():
+            kvs = model.context_kv(model.project_context(feats[None]), pos)
+        for layer, (k, v) in enumerate(kvs):
+            torch.testing.assert_close(cache.k[layer][0, :, : len(toks)], k[0], rtol=1e-8, atol=1e-8)
+            torch.testing.assert_close(cache.v[layer][0, :, : len(toks)], v[0], rtol=1e-8, atol=1e-8)

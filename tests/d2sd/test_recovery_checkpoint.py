@@ -1,0 +1,143 @@
+"""The recovery drafter on the command line: a good checkpoint serves mode d2sd (equal to ar at
+T=0), and every bad one is refused with a one-line message before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang_adaflash.cli.main import main
+from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
+from sglang_adaflash.drafter.checkpoint import load_drafter, write_checkpoint
+from sglang_adaflash.testing import build_tiny_pair
+
+from ..cli.conftest import TINY, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    return build_tiny_pair(tmp_path_factory.mktemp("pair") / "p", seed=0, **TINY)
+
+
+def make_recovery(src, out, *, marker=True, config=None, state=None):
+    """A recovery checkpoint from a first drafter's weights (length head dropped)."""
+    d = load_drafter(src)
+    cfg = d.config.replace(use_length_head=False)
+    raw = dict(cfg.raw)
+    ada = dict(raw.get("adaflash_config") or {})
+    if marker is True:
+        ada[RECOVERY_KEY] = recovery_marker()
+    elif marker is not None:
+        ada[RECOVERY_KEY] = marker
+    raw["adaflash_config"] = ada
+    cfg = cfg.replace(raw=raw, **(config or {}))
+    weights = {k: v for k, v in d.state_dict().items() if not k.startswith("thresh_head")}
+    if state is not None:
+        weights = state(weights)
+    write_checkpoint(out, cfg, weights, overwrite=True)
+    return out
+
+
+def _generate(capsys, pair, *extra, mode="d2sd"):
+    rc = main(["generate", "--target", str(pair.target_dir), "--drafter", str(pair.drafter_dir), "--mode", mode,
+               "--prompt", "hello world", "--max-new-tokens", "12", "--ignore-eos", "--json", *map(str, extra)])
+    out, err = capsys.readouterr()
+    return rc, [json.loads(x) for x in out.splitlines() if x.startswith("{")], err
+
+
+def test_good_recovery_drafter_serves_d2sd_equal_to_ar(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    rc, ar, _ = _generate(capsys, tiny_pair, mode="ar")
+    assert rc == 0
+    for rule in ("fixed", "load_aware"):
+        rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--tree-k", 2, "--branch-len", 2,
+                                 "--tree-rule", rule)
+        assert rc == 0, err
+        assert out[0]["output_ids"] == ar[0]["output_ids"]
+
+
+def _refused(capsys, pair, rec, *needles):
+    rc, out, err = _generate(capsys, pair, *(["--recovery-drafter", rec] if rec is not None else []))
+    assert rc == 2 and not out
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in line, line
+    return line
+
+
+def test_missing_flag(tiny_pair, capsys):
+    _refused(capsys, tiny_pair, None, "needs a recovery drafter", "--recovery-drafter")
+
+
+def test_missing_directory(tiny_pair, tmp_path, capsys):
+    _refused(capsys, tiny_pair, tmp_path / "nope", "does not exist")
+
+
+def test_plain_dflash_drafter_is_not_a_recovery_drafter(tiny_pair, capsys):
+    _refused(capsys, tiny_pair, tiny_pair.drafter_dir, "is not a recovery drafter", RECOVERY_KEY)
+
+
+def test_unknown_marker_format(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec", marker={"format": 99, "prefix": "variable"})
+    _refused(capsys, tiny_pair, rec, "format")
+
+
+@pytest.mark.parametrize("change, name", [({"block_size": 8}, "block_size"), ({"target_layer_ids": [0]}, "target_layer_ids"),
+                                          ({"mask_token_id": None}, "mask_token_id")])
+def test_recovery_drafter_for_other_features_or_block(tiny_pair, tmp_path, capsys, change, name):
+    if name == "mask_token_id":
+        change = {"mask_token_id": load_drafter(tiny_pair.drafter_dir).config.mask_token_id - 1}
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec", config=change,
+                        state=(lambda w: _resize(w, change)) if "target_layer_ids" in change else None)
+    _refused(capsys, tiny_pair, rec, name, "first drafter")
+
+
+def _resize(weights, change):
+    """fc reads one context layer fewer: shrink it so only the mismatch is wrong."""
+    w = dict(weights)
+    h = w["fc.weight"].shape[0]
+    w["fc.weight"] = w["fc.weight"][:, : h * len(change["target_layer_ids"])].clone()
+    return w
+
+
+def test_nan_weights(tiny_pair, tmp_path, capsys):
+    def poison(w):
+        w = dict(w)
+        k = next(iter(w))
+        w[k] = w[k].clone()
+        w[k].view(-1)[0] = float("nan")
+        return w
+
+    rec = tmp_path / "rec"
+    make_recovery(tiny_pair.drafter_dir, rec)
+    from safetensors.torch import load_file, save_file
+
+    save_file(poison(load_file(str(rec / "model.safetensors"))), str(rec / "model.safetensors"))
+    _refused(capsys, tiny_pair, rec, "NaN")
+
+
+def test_truncated_weights(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    data = (rec / "model.safetensors").read_bytes()
+    (rec / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _refused(capsys, tiny_pair, rec, "safetensors")
+
+
+def test_bench_runs_d2sd_beside_ar_and_records_no_machine_paths(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"prompt": "abc def"}])
+    out = tmp_path / "bench"
+    rc = main(["bench", "--target", str(tiny_pair.target_dir), "--drafter", str(tiny_pair.drafter_dir),
+               "--recovery-drafter", str(rec), "--prompts", prompts, "--modes", "ar,dflash,d2sd",
+               "--concurrency", "1,2", "--max-new-tokens", "8", "--ignore-eos", "--strict", "--out", str(out), "--quiet"])
+    capsys.readouterr()
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["equality"]["ok"] and "d2sd" in doc["equality"]["checked_modes"]
+    assert doc["config"]["d2sd"]["recovery_drafter"].startswith("<outside>")
+    rows = [r for r in doc["results"] if r["mode"] == "d2sd"]
+    assert len(rows) == 2 and all("tree" in r for r in rows)
+    assert torch.isfinite(torch.tensor([r["throughput_tok_s"] for r in rows])).all()

@@ -1,0 +1,102 @@
+"""Recovery points and the branch plan: first-fail probabilities, top-K placement, and the
+expected-gain-per-cost rule shrinking the tree to a chain as verify tokens get dear."""
+
+import torch
+
+from sglang_adaflash.d2sd.recovery import TreeCost, candidates, chain_tau, first_fail, plan_branches
+
+
+def test_first_fail_is_a_distribution_over_the_first_rejection():
+    conf = torch.tensor([[0.9, 0.5, 0.8, 0.3]])
+    f = first_fail(conf)
+    want = torch.tensor([[0.1, 0.9 * 0.5, 0.9 * 0.5 * 0.2, 0.9 * 0.5 * 0.8 * 0.7]])
+    torch.testing.assert_close(f, want)
+    # the chain either fails at some slot or survives all of them
+    torch.testing.assert_close(f.sum() + conf.prod(), torch.tensor(1.0))
+    torch.testing.assert_close(chain_tau(conf, torch.tensor([5])), torch.tensor([1 + 0.9 + 0.45 + 0.36 + 0.108]))
+
+
+def test_candidates_are_the_likeliest_first_failures_inside_the_chain():
+    conf = torch.tensor([[0.9, 0.5, 0.8, 0.3], [0.2, 0.9, 0.9, 0.9]])
+    slots, f = candidates(conf, torch.tensor([5, 3]), k=2)
+    assert slots[0].tolist() == [2, 4]  # f = .1, .45, .09, .252
+    assert slots[1].tolist() == [1, 2]  # slots 3, 4 lie outside a chain of length 3
+    assert (f[1] > 0).all()
+    slots, f = candidates(conf, torch.tensor([5, 2]), k=2)
+    assert f[1, 1] == 0  # a chain of 2 has one recovery slot
+
+
+def _plan(bs, cost, k=2, branch_len=4):
+    conf = torch.tensor([[0.95, 0.6, 0.9, 0.5, 0.9, 0.9, 0.9]]).repeat(bs, 1)
+    rho = torch.full_like(conf, 0.8)
+    return plan_branches(conf, rho, torch.full((bs,), 8), k=k, branch_len=branch_len, beta=0.7, cost=cost)
+
+
+def test_cheap_verify_takes_whole_branches_and_dear_verify_a_chain():
+    cheap = _plan(1, TreeCost(fixed=1.0, per_token=1e-3, per_branch=1e-3, branch_fixed=1e-3))
+    assert cheap.lengths.tolist() == [[4, 4]]
+    dear = _plan(1, TreeCost(fixed=1e-3, per_token=1.0, per_branch=1.0, branch_fixed=1.0))
+    assert dear.lengths.sum() == 0
+
+
+def test_the_tree_shrinks_as_the_batch_grows():
+    """fixed = one step's cost whatever the batch; verified tokens cost per token."""
+    sizes = []
+    for bs in (1, 8, 64):
+        cost = TreeCost(fixed=0.03, per_token=5e-4, per_branch=2e-4, branch_fixed=2e-3)
+        sizes.append(int(_plan(bs, cost).lengths.sum()) / bs)
+    assert sizes[0] > sizes[1] >= sizes[2]
+    assert sizes[2] == 0
+
+
+def test_fixed_rule_takes_every_candidate_whole():
+    plan = _plan(3, None, k=3, branch_len=2)
+    assert (plan.lengths == 2).all()
+
+
+def test_plan_is_the_best_tokens_per_second_by_enumeration():
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        conf = torch.rand(2, 6, generator=g) * 0.6 + 0.35
+        rho_all = torch.rand(2, 6, generator=g)
+        lengths = torch.tensor([7, 5])
+        cost = TreeCost(fixed=float(torch.rand((), generator=g)) * 0.05 + 0.005, per_token=1e-3,
+                        per_branch=float(torch.rand((), generator=g)) * 2e-3, branch_fixed=2e-3)
+        plan = plan_branches(conf, rho_all, lengths, k=2, branch_len=3, beta=0.6, cost=cost)
+        slots, f = candidates(conf, lengths, 2)
+        rho = rho_all.gather(1, slots - 1)
+        room = (lengths[:, None] - slots).clamp(min=0).clamp(max=3)
+        base = float(chain_tau(conf, lengths).sum())
+        best = 0.0
+        for ls in itertools.product(range(4), repeat=4):
+            ls = torch.tensor(ls).view(2, 2)
+            if (ls > room).any():
+                continue
+            gain = sum(float(f[i, j] * rho[i, j]) * sum(0.6 ** s for s in range(int(ls[i, j])))
+                       for i in range(2) for j in range(2))
+            spent = cost.fixed + float(ls.sum() + lengths.sum()) * cost.per_token + cost.per_branch * int((ls > 0).sum())
+            spent += cost.branch_fixed * bool((ls > 0).any())
+            best = max(best, (base + gain) / spent)
+        assert plan.value >= best * (1 - 1e-5), (trial, plan.value, best)
+
+
+def test_trimmed_chain_keeps_the_slots_that_pay():
+    from sglang_adaflash.d2sd.recovery import plan_tree
+
+    conf = torch.tensor([[0.9, 0.8, 0.5, 0.3, 0.2, 0.2, 0.2]])
+    cap = torch.tensor([8])
+    cheap = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                      cost=TreeCost(fixed=1.0, per_token=1e-4), trim_chain=True)
+    assert cheap.chain.tolist() == [8]
+    dear = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                     cost=TreeCost(fixed=1e-3, per_token=1.0), trim_chain=True)
+    assert dear.chain.tolist() == [2]  # one proposal at least
+    mid = plan_tree(conf, conf * 0, cap, k=0, branch_len=1, beta=0.5,
+                    cost=TreeCost(fixed=0.01, per_token=0.01), trim_chain=True)
+    assert 2 < mid.chain.item() < 8
+    reach = torch.cumprod(conf, 1)[0]
+    kept = mid.chain.item() - 1
+    # the last kept slot survives at least as often as the plan's price per verified token asks
+    assert reach[kept - 1] >= mid.value * 0.01 * (1 - 1e-6) or kept == 1

@@ -1,0 +1,98 @@
+"""The tree verify forward against a brute-force forward of each root-to-node path."""
+
+import pytest
+import torch
+
+from sglang_adaflash.d2sd.tree import Branch, ancestor_matrix, build_row, flatten
+from sglang_adaflash.d2sd.tree_target import commit_paths, gather_nodes, tree_forward
+from sglang_adaflash.target.hf_target import TargetBatch
+from sglang_adaflash.testing.fixtures import tiny_target
+
+CAPTURE = [0, 2]
+
+
+def _path(row, node):
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = row.parents[node]
+    return out[::-1]
+
+
+def _trees():
+    # row 0: chain of 5 with branches at slots 1 (3 long) and 3 (2 long); row 1: chain of 2, one
+    # branch of 1; row 2: nothing drafted (node 0 only)
+    return [
+        build_row(7, [11, 12, 13, 14], [Branch(1, [21, 22, 23]), Branch(3, [31, 32])]),
+        build_row(5, [40], [Branch(1, [41])]),
+        build_row(9, [], []),
+    ]
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_target(seed=3)
+    t.capture_layer_ids = list(CAPTURE)
+    return t
+
+
+def _prefill(target, prompts):
+    cache = target.new_cache(len(prompts), 64)
+    target.forward(TargetBatch.from_lists(prompts, [0] * len(prompts)), cache)
+    return cache, torch.tensor([len(p) for p in prompts])
+
+
+def test_ancestor_matrix():
+    row = _trees()[0]
+    anc = ancestor_matrix(row.parents)
+    # node 5 is the slot-1 branch's first node: it sees node 0 and itself, not chain node 1
+    assert row.depths[5] == 1 and row.parents[5] == 0
+    assert anc[5].nonzero().flatten().tolist() == [0, 5]
+    assert anc[7].nonzero().flatten().tolist() == [0, 5, 6, 7]
+    assert anc[9].nonzero().flatten().tolist() == [0, 1, 2, 8, 9]
+
+
+def test_every_node_matches_a_plain_forward_of_its_path(target):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
+    cache, starts = _prefill(target, prompts)
+    rows = _trees()
+    flat = flatten(rows, "cpu")
+    fwd = tree_forward(target, cache, flat, starts)
+    for b, (prompt, row) in enumerate(zip(prompts, rows)):
+        for node in range(row.size):
+            seq = prompt + [row.tokens[i] for i in _path(row, node)]
+            # the engine's own chain forward of the path (same kernels): equal to round-off
+            fresh = target.new_cache(1, 64)
+            logits, aux = target.forward(TargetBatch.from_lists([seq], [0]), fresh)
+            torch.testing.assert_close(fwd.logits[b, node], logits[-1], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(fwd.aux[b, node], aux[-1], rtol=1e-10, atol=1e-10)
+            # and Hugging Face's forward (its norms round through float32)
+            with torch.no_grad():
+                out = target.model(torch.tensor([seq]), output_hidden_states=True)
+            torch.testing.assert_close(fwd.logits[b, node], out.logits[0, -1], rtol=1e-5, atol=1e-6)
+            want = torch.cat([out.hidden_states[i + 1][0, -1] for i in CAPTURE])
+            torch.testing.assert_close(fwd.aux[b, node], want, rtol=1e-5, atol=1e-6)
+
+
+def test_committed_path_kv_equals_a_chain_verify_of_the_path(target):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
+    rows = _trees()
+    paths = [[0, 5, 6, 7], [0, 1], [0]]  # a branch path, a chain path, node 0 only
+    cache, starts = _prefill(target, prompts)
+    fwd = tree_forward(target, cache, flatten(rows, "cpu"), starts)
+    width = max(map(len, paths))
+    idx = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+    commit_paths(cache, fwd.node_kv, idx, starts)
+    ref, _ = _prefill(target, prompts)
+    toks = [[row.tokens[i] for i in p] for row, p in zip(rows, paths)]
+    ref_logits, ref_aux = target.forward(TargetBatch.from_lists(toks, starts.tolist()), ref)
+    for layer in range(target.num_layers):
+        for b, p in enumerate(paths):
+            end = int(starts[b]) + len(p)
+            torch.testing.assert_close(cache.k[layer][b, :, :end], ref.k[layer][b, :, :end], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(cache.v[layer][b, :, :end], ref.v[layer][b, :, :end], rtol=1e-9, atol=1e-9)
+    feats = gather_nodes(fwd.aux, idx)
+    offset = 0
+    for b, p in enumerate(paths):
+        torch.testing.assert_close(feats[b, : len(p)], ref_aux[offset : offset + len(p)], rtol=1e-9, atol=1e-9)
+        offset += len(p)

@@ -1,0 +1,255 @@
+"""Offline recipe for D2SD's recovery drafter: a variable-prefix DFlash drafter.
+
+    python -m training_job.d2sd_recovery --target DIR --init DRAFTER --data regen.train.jsonl \
+        --work WORK --out OUT [--steps N] [--eval-data regen.heldout.jsonl]
+
+The recovery drafter has the first drafter's architecture and starts from its weights (`--init`:
+a DFlash checkpoint directory, or a `drafter_ckpt.pt` of training_job.dflash_offline; the length
+head is dropped: a branch's length is planned, not read from a head). It is trained on the
+data the first drafter was (the target's regenerated responses, training_job.dflash_offline.regenerate)
+with one change to the block: at a random anchor a and a random prefix length p in [0, B-2],
+block slots 0..p hold the true tokens at a..a+p and slots p+1..B-1 mask tokens; slot k > p is
+labelled with the token at a+k, weighted exp(-(k-p-1)/gamma) (the first unknown slot weighs 1,
+as slot 1 does in DFlash). Context features are the target's hidden states strictly before a,
+as in DFlash. At serving time the known slots are the first drafter's chain up to a recovery
+point and the alternative token there: the branch is only used when those are the target's
+tokens, which is what training conditions on.
+
+Output: a DFlash-format checkpoint (config.json, model.safetensors, manifest.json) whose
+config.json carries adaflash_config.recovery_drafter (see sglang_adaflash.d2sd.recovery_drafter).
+The loop checkpoints atomically every `ckpt_every` steps and resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sglang_adaflash.assets import chat_format as cf
+
+from . import dflash_offline as dfo
+from .data.common import atomic_write_text, read_jsonl
+
+
+@dataclass
+class RecoveryTrainConfig:
+    steps: int = 600
+    batch_size: int = 4
+    anchors_per_seq: int = 24
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 20
+    gamma: float = 7.0
+    grad_clip: float = 1.0
+    seed: int = 4321
+    threads: int = 1
+    ckpt_every: int = 50
+    save_dtype: str = "bfloat16"
+
+
+def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random,
+                    p_zero: float = 0.3) -> list[int]:
+    """A prefix length p in [0, B-2] per anchor that leaves at least one label (a + p + 1 < seq_len).
+
+    p = 0 (the plain DFlash block) with probability p_zero, else uniform in [1, B-2]: a branch at
+    chain slot r has p = r - 1, and the chain fails first at slot 1 most often."""
+    out = []
+    for a in anchors:
+        hi = min(block_size - 2, seq_len - 2 - a)
+        out.append(0 if hi < 1 or rng.random() < p_zero else rng.randint(1, hi))
+    return out
+
+
+def make_prefix_blocks(ids, lens, anchors, prefixes, block_size: int, mask_token_id: int) -> dfo.Blocks:
+    """DFlash blocks (dfo.make_blocks) whose slots 1..p also hold the true tokens.
+
+    Labels keep only slots past the prefix; `prefixes` is a list per sequence, parallel to anchors.
+    """
+    blocks = dfo.make_blocks(ids, lens, anchors, block_size, mask_token_id)
+    flat = [p for ps in prefixes for p in ps]
+    for n, (i, p) in enumerate(zip(blocks.seq_indices.tolist(), flat)):
+        a = int(blocks.positions[n, 0])
+        blocks.input_ids[n, 1 : p + 1] = ids[i, a + 1 : a + p + 1]
+        blocks.labels[n, : p + 1] = dfo.IGNORE
+    return blocks
+
+
+def prefix_weights(prefixes: torch.Tensor, block_size: int, gamma: float) -> torch.Tensor:
+    """[N, B]: exp(-(k-p-1)/gamma) for slots k > p, else 0."""
+    k = torch.arange(block_size, dtype=torch.float32)[None]
+    p = prefixes.float()[:, None]
+    return torch.where(k > p, torch.exp(-(k - p - 1) / gamma), torch.zeros(()))
+
+
+def weighted_ce_rows(logits, labels, weights) -> torch.Tensor:
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
+                                           reduction="none").view(labels.shape)
+    w = weights * (labels != dfo.IGNORE)
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def continuation_accepts(proposals, labels, prefixes) -> torch.Tensor:
+    """Leading correct proposals after each block's prefix: [N]."""
+    b = labels.shape[1]
+    k = torch.arange(b)[None]
+    ok = (proposals == labels) & (labels != dfo.IGNORE)
+    ok = ok | (k <= prefixes[:, None])  # the known slots do not count as failures
+    run = ok.long().cumprod(1).sum(1)
+    return run - (prefixes + 1)
+
+
+def load_init(init: Path, target, mask_id: int):
+    """The first drafter's weights, without a length head."""
+    from sglang_adaflash.drafter.checkpoint import load_drafter
+    from sglang_adaflash.drafter.model import DFlashDrafter
+
+    if init.is_dir():
+        first = load_drafter(init, dtype=torch.float32)
+    else:
+        state = torch.load(init, map_location="cpu", weights_only=False)
+        first = dfo.build_drafter(target.config, dfo.DrafterTrainConfig.from_dict(state["config"]), mask_id)
+        first.load_state_dict({k: v for k, v in state["model"].items() if not k.startswith("thresh_head")}, strict=False)
+    cfg = first.config.replace(use_length_head=False)
+    model = DFlashDrafter(cfg)
+    model.load_state_dict({k: v.float() for k, v in first.state_dict().items() if not k.startswith("thresh_head")})
+    return model
+
+
+@torch.no_grad()
+def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed=0, batch=4) -> dict:
+    """Mean accepted continuation after a true prefix, at 4 random anchors per response."""
+    rng = random.Random(seed)
+    acc = []
+    for i in range(0, len(seqs), batch):
+        chunk = [s for s in seqs[i : i + batch] if len(s["output_ids"]) >= 4]
+        if not chunk:
+            continue
+        ids, lens, plens = dfo.collate(chunk, pad_id)
+        anchors = [dfo.sample_anchors(p, n, 4, rng) for p, n in zip(plens, lens)]
+        prefixes = [sample_prefixes(a, n, block_size, rng) for a, n in zip(anchors, lens)]
+        blocks = make_prefix_blocks(ids, lens, anchors, prefixes, block_size, mask_id)
+        hidden = dfo.drafter_forward(drafter, dfo.target_features(target, ids, layer_ids), blocks)
+        flat = torch.tensor([p for ps in prefixes for p in ps])
+        acc += continuation_accepts(drafter.logits(hidden).argmax(-1), blocks.labels, flat).tolist()
+    return {"continuation_accepted_mean": sum(acc) / max(len(acc), 1), "blocks": len(acc)}
+
+
+def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path, log=print) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    mask_id = drafter.config.mask_token_id
+    layer_ids = list(drafter.config.target_layer_ids)
+    b = drafter.config.block_size
+    for p in target.parameters():
+        p.requires_grad_(False)
+    params = list(drafter.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95))
+    ckpt, step = work / "recovery_ckpt.pt", 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    usable = [s for s in seqs if len(s["output_ids"]) >= 4]
+    per_epoch = max(1, len(usable) // cfg.batch_size)
+    drafter.train()
+    while step < cfg.steps:
+        lr = dfo._lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if step > 0 and step % cfg.ckpt_every == 0:
+            dfo._save(ckpt, {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step})
+        t0 = time.time()
+        epoch, i = divmod(step, per_epoch)
+        order = list(range(len(usable)))
+        random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        batch = [usable[j] for j in order[i * cfg.batch_size : (i + 1) * cfg.batch_size]]
+        rng = random.Random(cfg.seed * 7919 + step)
+        ids, lens, plens = dfo.collate(batch, tokenizer.pad_token_id)
+        anchors = [dfo.sample_anchors(p, n, cfg.anchors_per_seq, rng) for p, n in zip(plens, lens)]
+        prefixes = [sample_prefixes(a, n, b, rng) for a, n in zip(anchors, lens)]
+        blocks = make_prefix_blocks(ids, lens, anchors, prefixes, b, mask_id)
+        flat = torch.tensor([p for ps in prefixes for p in ps])
+        hidden = dfo.drafter_forward(drafter, dfo.target_features(target, ids, layer_ids), blocks)
+        logits = drafter.logits(hidden)
+        loss = weighted_ce_rows(logits, blocks.labels, prefix_weights(flat, b, cfg.gamma))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 10 == 0:
+            with torch.no_grad():
+                acc = continuation_accepts(logits.argmax(-1), blocks.labels, flat).float().mean().item()
+            log(json.dumps({"step": step, "loss": round(loss.item(), 4), "cont_acc": round(acc, 3),
+                            "lr": lr, "step_s": round(time.time() - t0, 2)}))
+    dfo._save(ckpt, {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step})
+    drafter.eval()
+    return {"steps": step}
+
+
+def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, training: dict, evaluation: dict) -> Path:
+    from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
+    from sglang_adaflash.drafter.checkpoint import write_checkpoint
+    from sglang_adaflash.drafter.manifest import build_manifest, target_fingerprint
+
+    dc = drafter.config
+    raw = dict(dc.raw)
+    ada = dict(raw.get("adaflash_config") or {})
+    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, dc.block_size - 2], initialised_from="dflash drafter")
+    raw["adaflash_config"] = ada
+    dc = dc.replace(raw=raw)
+    dtype = getattr(torch, cfg.save_dtype)
+    write_checkpoint(out, dc, {k: v.to(dtype) for k, v in drafter.state_dict().items()}, overwrite=True)
+    manifest = build_manifest(out, version="recovery-v1", parent=None, target=target_fingerprint(target_dir),
+                              training=training, eval=evaluation)
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training_job.d2sd_recovery", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, type=Path)
+    ap.add_argument("--init", required=True, type=Path, help="first drafter: checkpoint dir or drafter_ckpt.pt")
+    ap.add_argument("--data", required=True, type=Path, help="regenerated responses (JSONL)")
+    ap.add_argument("--eval-data", type=Path, default=None)
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--steps", type=int, default=RecoveryTrainConfig.steps)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--domains", default="code,prose")
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads)
+    torch.set_num_threads(cfg.threads)
+    target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+    mask_id = tokenizer.convert_tokens_to_ids(cf.MASK)
+    drafter = load_init(args.init, target, mask_id)
+    drafter.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    domains = set(args.domains.split(","))
+    seqs = [s for s in read_jsonl(args.data) if s.get("domain") in domains]
+    ev = [s for s in read_jsonl(args.eval_data) if s.get("domain") in domains] if args.eval_data else seqs[:64]
+    layer_ids, b = list(drafter.config.target_layer_ids), drafter.config.block_size
+    before = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id)
+    print(json.dumps({"eval_before": before}), flush=True)
+    stats = train(target, tokenizer, drafter, seqs, cfg, args.work, log=lambda s: print(s, flush=True))
+    after = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id)
+    print(json.dumps({"eval_after": after}), flush=True)
+    training = {"algorithm": "d2sd-recovery-offline", "records": len(seqs), **stats, "config": asdict(cfg),
+                "domains": sorted(domains)}
+    evaluation = {"init": before, "trained": after,
+                  "method": "accepted continuation after a true prefix p in [0, B-2], 4 anchors per held-out response"}
+    export(drafter, args.target, args.out, cfg, training, evaluation)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

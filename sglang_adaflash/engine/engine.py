@@ -472,7 +472,10 @@ class SpecEngine:
         allow_off = torch.zeros(bs, dtype=torch.bool)
         if self._draft_off:
             allow_off[rows] = True
-            allow_off[spec.probes] = False  # a probe verifies at least one proposal
+            # a probe (or a first read) verifies one proposal, or min_len - 1: evidence, cheaply.
+            # Verified whole, a wave of new requests read at once costs ten plain steps at c=64
+            allow_off[spec.probes] = False
+            row_cap[spec.probes] = cap[spec.probes].clamp(max=max(self._min_len, 2))
         full_ratio = torch.zeros(bs, device=self.device)
         full_ratio[slots] = ratio.float()
         lens = plan_verify_lengths(full_ratio, self.block_size, rule="load_aware", cost=sunk, min_len=self._min_len,

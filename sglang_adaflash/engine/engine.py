@@ -18,7 +18,13 @@ import torch
 
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
-from ..planner.lengths import PlanCost, expected_tau, plan_lengths, plan_verify_lengths, survival_rate
+from ..planner.lengths import (
+    PlanCost,
+    expected_tau,
+    plan_lengths,
+    plan_verify_lengths,
+    survival_rate,
+)
 from ..target.hf_target import HFTarget, TargetBatch
 from . import flashinfer_sampling
 from .length_policy import OnlineCostModel, StepCostModel

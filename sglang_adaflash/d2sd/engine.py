@@ -140,7 +140,8 @@ class D2SDEngine(SpecEngine):
             q[hot] = filtered_probs(logits[hot].flatten(0, 1), temp, top_k, top_p).view(len(hot), logits.shape[1], -1)
         chain = q.argmax(-1)  # [n, B-1]
         if hot:
-            chain[hot] = self._sample(q[hot].flatten(0, 1)).view(len(hot), -1)
+            owners = [seqs[rows[j]] for j in hot for _ in range(logits.shape[1])]
+            chain[hot] = self._sample(q[hot].flatten(0, 1), owners).view(len(hot), -1)
         top1 = q.max(-1).values  # distribution-only inputs to the plan (see tree_verify)
         caps = torch.tensor([cap[i] for i in rows], device=self.device)
         conf = self._calibrated(top1)
@@ -183,7 +184,8 @@ class D2SDEngine(SpecEngine):
                 if float(first.sum()) <= 0:
                     continue
                 first = first / first.sum()
-                toks = [int(self._sample(first[None])[0])] + (self._sample(q[1:]).tolist() if ln > 1 else [])
+                toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
+                                                                      if ln > 1 else [])
                 br = Branch(r, toks, [first] + list(q[1:]))
             else:
                 br = Branch(r, [int(first.argmax())] + q[1:].argmax(-1).tolist())
@@ -199,7 +201,7 @@ class D2SDEngine(SpecEngine):
                 continue
             temp, top_k, top_p = self._sampling_tensors([seq], tree.size)
             p = filtered_probs(logits[i, : tree.size], temp, top_k, top_p)
-            out.append(sampling_walk(tree, p, self.generator))
+            out.append(sampling_walk(tree, p, self._generator_of(seq)))
         return out
 
     # -- costs and the branch survival -----------------------------------------------------

@@ -31,7 +31,7 @@ from .length_policy import OnlineCostModel, StepCostModel
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
 from .sampling import RequestError, filtered_probs, sample_from
-from .verify import VerifyResult, verify_greedy, verify_sampling
+from .verify import PLACEHOLDER, VerifyResult, verify_greedy, verify_sampling
 
 MODES = ("ar", "dflash", "adaflash")
 _MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
@@ -100,6 +100,7 @@ class _Seq:
     pending: int = 0  # committed tokens not yet in the drafter's context (see _catch_up)
     since_draft: int = 0  # decode steps since this request was last drafted
     probe_gap: int = 0  # steps between probes while not drafted (backs off while probes fail)
+    generator: torch.Generator | None = None  # a seeded sampled request's own random stream
 
     @property
     def last_token(self) -> int:
@@ -208,6 +209,9 @@ class SpecEngine:
             self._validate(req)
         except RequestError as e:
             return RequestOutput(req.request_id, list(req.prompt_ids or []), [], "error", seq.stats, str(e), req.domain)
+        sp = req.sampling
+        if sp.seed is not None and not sp.greedy:
+            seq.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         self.waiting.append(seq)
         return None
 
@@ -321,7 +325,7 @@ class SpecEngine:
         hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if hot:
             probs = filtered_probs(logits[hot], *self._sampling_tensors([seqs[i] for i in hot]))
-            out[hot] = self._sample(probs)
+            out[hot] = self._sample(probs, [seqs[i] for i in hot])
         return out
 
     def _sampling_tensors(self, seqs: list[_Seq], repeat: int = 1):
@@ -563,7 +567,7 @@ class SpecEngine:
         temp, top_k, top_p = self._sampling_tensors(seqs)
         rs = rows_d[sel]
         q = filtered_probs(logits[sel], temp[rs], top_k[rs], top_p[rs])
-        spec.draft_ids[rs, slots_d[sel]] = self._sample(q)
+        spec.draft_ids[rs, slots_d[sel]] = self._sample(q, [seqs[i] for i in rows[sel.cpu()].tolist()])
         spec.draft_probs = q.new_zeros(len(spec.sampled), k, q.shape[-1])
         spec.draft_probs[hot_index[rows].to(self.device)[sel], slots_d[sel]] = q
 
@@ -578,18 +582,37 @@ class SpecEngine:
             hot_seqs = [seqs[i] for i in hot]
             p = filtered_probs(target_logits[hot].flatten(0, 1), *self._sampling_tensors(hot_seqs, k + 1))
             q = spec.draft_probs[:, :k] if spec.draft_probs is not None else p.new_zeros(len(hot), 0, p.shape[-1])
-            sampled = self._verify_sampled(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot])
+            sampled = self._verify_sampled(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot],
+                                           hot_seqs)
             result.tokens[hot] = sampled.tokens
             result.num_accepted[hot] = sampled.num_accepted
         return result
 
-    def _verify_sampled(self, draft_ids, q, p, num_candidates) -> VerifyResult:
+    def _verify_sampled(self, draft_ids, q, p, num_candidates, owners=None) -> VerifyResult:
+        if owners is not None and any(s.generator is not None for s in owners):
+            # seeded rows verify one at a time, each from its own stream and over its own
+            # candidates only, so what it draws does not depend on the batch's longest row
+            k = draft_ids.shape[1]
+            tokens = torch.full((len(owners), k + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
+            accepted = torch.zeros(len(owners), dtype=torch.long, device=draft_ids.device)
+            for i, (s, n) in enumerate(zip(owners, num_candidates.tolist())):
+                r = verify_sampling(draft_ids[i:i + 1, :n], q[i:i + 1, :n], p[i:i + 1, :n + 1],
+                                    num_candidates[i:i + 1], self._generator_of(s))
+                tokens[i, :n + 1] = r.tokens[0]
+                accepted[i] = r.num_accepted[0]
+            return VerifyResult(tokens=tokens, num_accepted=accepted)
         n = num_candidates[0]
         if self.use_flashinfer and q.shape[1] > 0 and bool((num_candidates == n).all()):  # syncs once
             return flashinfer_sampling.verify_sampling_uniform(draft_ids, q, p, int(n), self.generator)
         return verify_sampling(draft_ids, q, p, num_candidates, self.generator)
 
-    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
+    def _generator_of(self, seq: _Seq | None) -> torch.Generator:
+        return seq.generator if seq is not None and seq.generator is not None else self.generator
+
+    def _sample(self, probs: torch.Tensor, owners: list[_Seq] | None = None) -> torch.Tensor:
+        """One draw per row of probs; owners[j] is row j's request when rows may be seeded."""
+        if owners is not None and any(s.generator is not None for s in owners):
+            return torch.cat([sample_from(probs[j:j + 1], self._generator_of(s)) for j, s in enumerate(owners)])
         if self.use_flashinfer:
             return flashinfer_sampling.sample(probs, self.generator)
         return sample_from(probs, self.generator)

@@ -24,6 +24,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no top-p
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # A seeded sampled request draws only from its own generator, so the same seed, prompt and
+    # drafter give the same output whatever else shares the batch. None: the engine's generator.
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -40,6 +43,9 @@ class SamplingParams:
             raise RequestError(f"top_p must lie in (0, 1], got {p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         bad = [s for s in self.stop_token_ids if not 0 <= int(s) < vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

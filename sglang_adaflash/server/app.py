@@ -253,7 +253,7 @@ class AdaFlashServer:
             limit = max(1, self.engine.max_seq_len - len(prompt_ids)) if chat else COMPLETION_DEFAULT_MAX_TOKENS
         temperature, top_p, top_k = req.sampling_values()
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=limit,
-                                  stop_token_ids=() if req.ignore_eos else self.stop_token_ids)
+                                  stop_token_ids=() if req.ignore_eos else self.stop_token_ids, seed=req.seed)
         headers = request.headers
         rid = new_id("chatcmpl" if chat else "cmpl")
         handle = _Handle()

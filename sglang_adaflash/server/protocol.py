@@ -74,7 +74,8 @@ class _Sampling(BaseModel):
     # -1 and 0 both mean no top-k (vLLM and SGLang clients send -1).
     top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # a sampled request with a seed draws from its own generator (docs/serving.md)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1

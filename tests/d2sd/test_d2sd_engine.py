@@ -3,15 +3,15 @@ follows the target's distribution at every position (chi-square, with a wrong-sa
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from sglang_adaflash.d2sd.engine import D2SDEngine
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams, filtered_probs
+from sglang_adaflash.engine.sampling import SamplingParams
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
+from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB, _conditional_pvalues
 from .conftest import OracleD2SD, recovery_for
 from .test_tree_verify import _no_residual_walk
 
@@ -80,45 +80,7 @@ def test_load_aware_tree_shrinks_to_a_chain_when_verify_tokens_are_dear(target, 
 
 
 # -- T > 0 ------------------------------------------------------------------------------------
-
-VOCAB, BLOCK, PROMPT = 6, 4, [1, 4, 2]
-NEW = BLOCK + 2
-
-
-def _conditional_pvalues(target, sp, samples, min_group=25):
-    cache = {}
-
-    def dist(prefix):
-        if prefix not in cache:
-            with torch.no_grad():
-                logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:]
-            cache[prefix] = filtered_probs(logits, torch.tensor([sp.temperature]), torch.tensor([sp.top_k]),
-                                           torch.tensor([sp.top_p]))[0].double()
-        return cache[prefix]
-
-    out = []
-    for t in range(NEW):
-        groups = {}
-        for s in samples:
-            groups.setdefault(s[:t], []).append(s[t])
-        stat, dof, impossible = 0.0, 0, False
-        for prefix, toks in groups.items():
-            if len(toks) < min_group:
-                continue
-            p = dist(prefix)
-            counts = torch.bincount(torch.tensor(toks), minlength=VOCAB).double()
-            impossible |= bool(counts[p == 0].sum() > 0)
-            exp = p * len(toks)
-            big = exp >= 5
-            obs_c = torch.cat([counts[big], counts[~big].sum()[None]])
-            exp_c = torch.cat([exp[big], exp[~big].sum()[None]])
-            keep = exp_c > 0
-            stat += float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
-            dof += int(keep.sum()) - 1
-        assert dof > 0
-        out.append(0.0 if impossible else float(chi2.sf(stat, dof)))
-    return out
-
+# (the per-position chi-square is the engine's own losslessness test's, on the same tiny pair)
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):

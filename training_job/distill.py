@@ -9,8 +9,9 @@ and by hand as ``adaflash distill``; under ``torchrun`` every rank trains and ra
 rest. A round:
 
 1. takes the volume's distillation lock (`distill/.lock`): one job per volume;
-2. selects the records no earlier round consumed, from both traffic formats; fewer than
-   ``--min-records`` usable ones is a failure (the contract has no "nothing to do" outcome);
+2. selects the records no earlier round consumed, from both traffic formats; with fewer than
+   ``--min-records`` usable ones there is no round: the report says ``"outcome":
+   "NotEnoughRecords"`` and the job exits ``--idle-exit-code`` (3; the operator passes 0);
    a fixed share, chosen by key, is held out for evaluation;
 3. trains the parent on the rest with OPD (or the OSD baseline), then refits the length head;
 4. evaluates candidate and parent on the held-out prompts through the reference engine;
@@ -28,7 +29,8 @@ With ``--follow`` the job does not stop after one round: it waits for traffic an
 it arrives (``training_job.opd.follow``).
 
 Exit codes: 0 published and reported (with ``--follow``: stopped by a signal or
-``--max-rounds``); 1 failed (the reason is on stderr and in the report file); 2 bad arguments.
+``--max-rounds``); 1 failed (the reason is on stderr and in the report file); 2 bad arguments;
+3 (``--idle-exit-code``) not enough new records, nothing done, reported.
 """
 
 from __future__ import annotations
@@ -403,6 +405,22 @@ def run(args) -> int:
                 contextlib.nullcontext():
             run_round(args, par)
         return 0
+    except NotEnoughRecords as e:
+        # Not a failure: nothing was trained, published or consumed; the next Job (or round)
+        # finds these records again together with the new ones.
+        _log(f"no round: {_one_line(e)}")
+        if par.rank == 0:
+            from training_job.opd.report import encode_report, idle_report
+
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            data = encode_report(idle_report(parent=args.parent, usable=e.usable,
+                                             required=e.required, message=_one_line(e),
+                                             created=now))
+            if args.report:
+                with contextlib.suppress(OSError):
+                    write_report(args.report, data)
+            print(data.decode(), flush=True)
+        return args.idle_exit_code
     except (JobError, OSError, ValueError, RuntimeError) as e:
         reason = _one_line(e)
         if not isinstance(e, JobError):

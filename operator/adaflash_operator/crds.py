@@ -241,6 +241,9 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
                                {"type": "integer"}),
     "newRecords": _int("Traffic records logged since the last round."),
     "lastError": _str("Why the last Job failed."),
+    "lastOutcome": _str("How the last Job ended: Published, NotEnoughRecords (too little new "
+                        "traffic; not a failure) or Failed."),
+    "lastOutcomeMessage": _str("Detail of lastOutcome."),
     "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff)."),
     "message": _str("Detail of idleReason."),
 })

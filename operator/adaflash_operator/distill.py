@@ -13,7 +13,10 @@ copies into the terminated container state's `message` (4096 bytes at most)::
      "training": {"algorithm": "opd-rkl", "records": 512, "steps": 64, "finalLoss": 0.41},
      "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9}}}
 
-Only `version` is required. The same fields are in drafters/<version>/manifest.json.
+Only `version` is required. The same fields are in drafters/<version>/manifest.json. A Job that
+found too few new records writes ``{"outcome": "NotEnoughRecords", "records": {"usable": 40,
+"required": 128}, "message": "..."}`` instead, and exits 0 (the operator passes
+``--idle-exit-code 0``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from .spec import Distillation
 VERSION_RE = re.compile(r"^v[0-9]{6}$")
 # Kubernetes keeps at most this much of a termination message (the kubelet keeps the end).
 MAX_MESSAGE_BYTES = 4096
+# A report's `outcome`: a published version (the default when absent), or no round for lack of
+# new traffic (the Job completes; not a failure, no backoff).
+OUTCOME_PUBLISHED = "Published"
+OUTCOME_NOT_ENOUGH = "NotEnoughRecords"
 
 
 class ReportError(ValueError):
@@ -169,6 +176,17 @@ def parse_report(message: str | None) -> dict:
     if not isinstance(report, dict):
         raise ReportError(f"the distillation Job's report must be a JSON object, got "
                           f"{type(report).__name__}")
+    outcome = report.get("outcome", OUTCOME_PUBLISHED)
+    if outcome not in (OUTCOME_PUBLISHED, OUTCOME_NOT_ENOUGH):
+        raise ReportError(f"the report's outcome must be {OUTCOME_PUBLISHED!r} or "
+                          f"{OUTCOME_NOT_ENOUGH!r}, got {outcome!r}")
+    if outcome == OUTCOME_NOT_ENOUGH:
+        recs = report.get("records") or {}
+        if not isinstance(recs, dict) or not all(
+                isinstance(recs.get(k), int) and recs[k] >= 0 for k in ("usable", "required")):
+            raise ReportError(f"a NotEnoughRecords report's records must hold usable and "
+                              f"required counts >= 0, got {recs!r}")
+        return report
     version = report.get("version")
     if not isinstance(version, str) or not VERSION_RE.match(version):
         raise ReportError(f"the report's version must look like v000002, got {version!r}")

@@ -446,6 +446,23 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         if outcome == "succeeded":
             try:
                 report = await _job_report(ns, pods)
+            except distill.ReportError as e:
+                outcome, report_err = "failed", str(e)
+        if outcome == "succeeded" and report.get("outcome") == distill.OUTCOME_NOT_ENOUGH:
+            # Too little new traffic for a round: nothing was published or consumed. Not a
+            # failure (no backoff); the next round starts when minNewRecords more arrive.
+            recs = report["records"]
+            msg = (f"Job {active} found {recs['usable']} new usable records, fewer than the "
+                   f"{recs['required']} a round needs; nothing published, waiting for traffic")
+            kopf.event(body, type="Normal", reason="NotEnoughRecords", message=msg)
+            metrics.DISTILL_JOBS.labels("idle").inc()
+            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
+                       retryAfter=None, lastError=None, lastOutcome=distill.OUTCOME_NOT_ENOUGH,
+                       lastOutcomeMessage=msg)
+            conds = set_condition(conds, "DistillationFailed", False, "NotEnoughRecords", msg,
+                                  _ts(now), gen)
+        elif outcome == "succeeded":
+            try:
                 dv = manifests.drafter_version(owner, report, active)
                 try:
                     await kube.create(dv)
@@ -464,7 +481,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 kopf.event(body, type="Normal", reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
                 new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
-                           lastSuccessAt=_ts(now), retryAfter=None, lastError=None)
+                           lastSuccessAt=_ts(now), retryAfter=None, lastError=None,
+                           lastOutcome=distill.OUTCOME_PUBLISHED, lastOutcomeMessage=msg)
                 conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
                                       _ts(now), gen)
             except distill.ReportError as e:
@@ -484,7 +502,8 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
             kopf.warn(body, reason="DistillationFailed", message=msg)
             metrics.DISTILL_JOBS.labels("failed").inc()
             new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=failures,
-                       retryAfter=_ts(retry), lastError=why[:1000])
+                       retryAfter=_ts(retry), lastError=why[:1000], lastOutcome="Failed",
+                       lastOutcomeMessage=msg[:1000])
             conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
                                   _ts(now), gen)
         metrics.DISTILL_FAILURES.labels(ns, name).set(failures if outcome == "failed" else 0)

@@ -16,7 +16,7 @@ RECONCILES = Counter("adaflash_operator_reconciles_total",
 ROLLOUT_TRANSITIONS = Counter("adaflash_operator_rollout_transitions_total",
                               "Drafter rollout transitions by phase entered", ["phase"])
 DISTILL_JOBS = Counter("adaflash_operator_distill_jobs_total",
-                       "Distillation Jobs by outcome (started, succeeded, failed)", ["result"])
+                       "Distillation Jobs by outcome (started, succeeded, idle, failed)", ["result"])
 SERVING_VERSION = Gauge("adaflash_operator_serving_version_info",
                         "Drafter version the fleet serves (value 1)",
                         ["namespace", "service", "version"])

@@ -258,6 +258,35 @@ def test_operator_restart_mid_rollout_resumes(chart, api: Api, namespace: str,
     assert len(api.list("Job", ns)) == 1
 
 
+def test_too_little_traffic_completes_the_job_and_the_status_keeps_the_outcome(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    """The real Job controller completes a Job whose container exited 0 with a NotEnoughRecords
+    report; the server keeps the status fields it reports (the CRD schema prunes unknown ones),
+    and no retry Job follows."""
+    ns = namespace
+    operator_process()
+    api.create(afs(ns))
+    pods = start_serving_pods(api, ns, 2)
+    for p in pods:
+        assert reporter(api, ns, p).update({c.LOADED_VERSION: "v000001",
+                                            c.TRAFFIC_RECORDS: "6"})
+    wait_for("the Job", lambda: api.get("Job", ns, "qwen-distill-1-1"), timeout=60)
+    finish_job(api, ns, "qwen-distill-1-1", json.dumps({
+        "outcome": "NotEnoughRecords", "parent": "v000001", "created": "2026-11-30T09:00:00Z",
+        "records": {"usable": 8, "required": 10}, "message": "only 8 new usable records"}))
+    d = wait_for("the outcome in status", lambda: (
+        x := status(api, ns).get("distillation") or {}).get("lastOutcome") and x, timeout=60)
+    assert d["lastOutcome"] == "NotEnoughRecords" and "8 new usable" in d["lastOutcomeMessage"]
+    assert not d.get("consecutiveFailures")
+    job = api.get("Job", ns, "qwen-distill-1-1")
+    assert any(x["type"] == "Complete" and x["status"] == "True"
+               for x in job["status"].get("conditions") or [])
+    cond = condition(api, ns, "DistillationFailed")
+    assert (cond["status"], cond["reason"]) == ("False", "NotEnoughRecords")
+    time.sleep(3)  # past the 1 s backoff a failure would have waited
+    assert [j["metadata"]["name"] for j in api.list("Job", ns)] == ["qwen-distill-1-1"]
+
+
 def _operator_writes(control_plane, ns: str, resource: str, name: str) -> list[dict]:
     return [e for e in control_plane.audit()
             if e.get("user", {}).get("username") == f"system:serviceaccount:{RELEASE_NS}:"

@@ -64,16 +64,17 @@ def _seed(root: Path) -> tuple[Path, Path]:
     return pair.target_dir, home
 
 
-def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
-        tmp_path: Path) -> None:
-    target, home = _seed(tmp_path)
-    owner = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
-             "metadata": {"name": "qwen", "namespace": "ml", "uid": "u-1"}}
+OWNER = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
+         "metadata": {"name": "qwen", "namespace": "ml", "uid": "u-1"}}
+
+
+def _run_job(tmp_path: Path, target: Path, home: Path, min_new_records: int):
+    """Run the container of the Job the operator builds, as the kubelet would."""
     # Small settings go where a user puts them: spec.distillation.extraArgs.
     spec = parse({"model": {"target": str(target)}, "serving": {"image": "img"},
-                  "distillation": {"minNewRecords": 16, "extraArgs": [
+                  "distillation": {"minNewRecords": min_new_records, "extraArgs": [
                       "--epochs", "1", "--batch-size", "4", "--threads", "1"]}})
-    job = manifests.job(owner, spec, 1, 1, "v000001")
+    job = manifests.job(OWNER, spec, 1, 1, "v000001")
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
     report = tmp_path / "termination-log"
 
@@ -85,11 +86,35 @@ def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
     env = {**os.environ, **{e["name"]: place(e["value"]) for e in ctr["env"] if "value" in e},
            "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path)
+    # A non-zero exit is a failed Job (backoffLimit 0): the operator would back off and retry.
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    message = report.read_text()
+    return job, report.read_text(), r
+
+
+def test_too_little_traffic_completes_the_job_with_a_report_not_a_failure(
+        tmp_path: Path) -> None:
+    target, home = _seed(tmp_path)
+    _, message, r = _run_job(tmp_path, target, home, min_new_records=N_RECORDS + 1)
+    parsed = distill.parse_report(message)
+    assert parsed["outcome"] == distill.OUTCOME_NOT_ENOUGH
+    assert parsed["records"] == {"usable": N_RECORDS, "required": N_RECORDS + 1}
+    assert "version" not in parsed and parsed["parent"] == "v000001"
+    assert sorted(p.name for p in (home / "drafters").glob("v*")) == ["v000001"]
+    assert distill.parse_report(distill.report_from_log(r.stdout)) == parsed
+    # Nothing was consumed: the same records make the next round.
+    _, message, _ = _run_job(tmp_path, target, home, min_new_records=16)
+    assert distill.parse_report(message)["version"] == "v000002"
+
+
+def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
+        tmp_path: Path) -> None:
+    target, home = _seed(tmp_path)
+    owner = OWNER
+    job, message, r = _run_job(tmp_path, target, home, min_new_records=16)
     assert len(message.encode()) <= distill.MAX_MESSAGE_BYTES  # what Kubernetes keeps
     parsed = distill.parse_report(message)
     assert parsed["version"] == "v000002" and parsed["parent"] == "v000001"
+    assert parsed["outcome"] == distill.OUTCOME_PUBLISHED
     assert (home / "drafters" / parsed["version"]).is_dir()
     # The DrafterVersion the operator would create passes the CRD schema.
     import jsonschema

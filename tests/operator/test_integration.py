@@ -518,3 +518,37 @@ def test_with_traffic_logging_off_distillation_says_it_has_nothing_to_learn(
         time.sleep(2)  # several ticks past the record count and the interval
         assert not cluster.list("Job", ns, {c.LABEL_SERVICE: "qwen"})
         assert not (status(cluster, ns).get("distillation") or {}).get("activeJob")
+
+
+def test_too_little_traffic_is_a_completed_round_not_a_failure(
+        cluster: Cluster, namespace: str, kubeconfig) -> None:
+    """A Job that found fewer new records than a round needs completes with a NotEnoughRecords
+    report: no DrafterVersion, no failure count, no backoff retry; the next round waits for
+    minNewRecords more records."""
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        pods = kubelet_start_pods(cluster, ns, "qwen")
+        for p in pods:
+            annotate(cluster, ns, p, records="60")
+        wait_for("the first Job", lambda: cluster.get("Job", ns, "qwen-distill-1-1"))
+        idle = json.dumps({"outcome": "NotEnoughRecords", "parent": "v000001",
+                           "created": "2026-11-30T09:00:00Z",
+                           "records": {"usable": 90, "required": 100},
+                           "message": "only 90 new usable traffic records"})
+        finish_job(cluster, ns, "qwen-distill-1-1", ok=True, message=idle)
+        d = wait_for("the outcome", lambda: (
+            x := status(cluster, ns).get("distillation") or {}).get("lastOutcome") and x)
+        assert d["lastOutcome"] == "NotEnoughRecords" and "90 new usable" in \
+            d["lastOutcomeMessage"]
+        assert not d.get("consecutiveFailures") and not d.get("retryAfter")
+        cond = condition(cluster, ns, "DistillationFailed")
+        assert cond["status"] == "False" and cond["reason"] == "NotEnoughRecords"
+        assert "NotEnoughRecords" in {e.get("reason") for e in events(cluster, ns)}
+        time.sleep(2.5)  # past the 1 s backoff a failure would have waited
+        assert [j["metadata"]["name"] for j in cluster.list("Job", ns)] == ["qwen-distill-1-1"]
+        assert not cluster.list(c.DRAFTER_KIND, ns)
+        for p in pods:  # 100 more records: the next round
+            annotate(cluster, ns, p, records="110")
+        wait_for("the next round", lambda: cluster.get("Job", ns, "qwen-distill-2-1"))

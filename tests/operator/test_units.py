@@ -274,10 +274,20 @@ def test_job_outcome(status: dict, want: str) -> None:
     ('{"version": "2"}', "look like v000002"),
     ('{"version": "v000002", "parent": "x"}', "parent"),
     ('{"version": "v000002", "eval": {"tau": {"chat": -1}}}', "eval.tau"),
+    ('{"outcome": "Done", "version": "v000002"}', "outcome must be"),
+    ('{"outcome": "NotEnoughRecords"}', "usable and required"),
+    ('{"outcome": "NotEnoughRecords", "records": {"usable": 3, "required": "9"}}', "required"),
+    ('{"outcome": "Published", "records": {"usable": 3, "required": 9}}', "v000002"),
 ])
 def test_bad_reports_say_what_to_write(msg: str | None, needle: str) -> None:
     with pytest.raises(distill.ReportError, match=needle):
         distill.parse_report(msg)
+
+
+def test_a_not_enough_records_report_needs_no_version() -> None:
+    rep = distill.parse_report(json.dumps({"outcome": "NotEnoughRecords", "parent": "v000001",
+                                           "records": {"usable": 40, "required": 128}}))
+    assert rep["records"] == {"usable": 40, "required": 128} and "version" not in rep
 
 
 def test_a_cut_report_says_so_and_the_log_line_is_the_fallback() -> None:

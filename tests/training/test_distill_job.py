@@ -135,13 +135,14 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     # eval.tau and eval.parentTau are the two versions' engine tau on the same held-out records
     assert report["eval"] == _recomputed_eval(pair, home)
 
-    # Nothing new: the next round fails (no "nothing to do" outcome) and says why.
-    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 1
-    assert report_path.read_text().startswith("distill: only 0 new usable traffic records")
+    # Nothing new: no round, and the report says why (exit code 3: not a failure).
+    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 3
+    assert json.loads(report_path.read_text())["message"].startswith(
+        "only 0 new usable traffic records")
     assert list_versions(home) == ["v000001", "v000002"]
     # Traffic the retention CronJob deleted leaves the ledger at the next round.
     shutil.rmtree(home / "traffic" / "pod-b")
-    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 1
+    assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 3
     assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC
 
 
@@ -164,16 +165,28 @@ def _recomputed_eval(pair, home) -> dict:
     return out
 
 
-def test_too_few_records_fails_without_consuming_them(vol, tmp_path):
+def test_too_few_records_is_a_report_not_a_failure_and_consumes_nothing(vol, tmp_path, capsys):
+    from adaflash_operator.distill import parse_report
+
     pair, home = vol
     report = tmp_path / "report"
     stale = home / "distill" / ".work.999.tmp"  # a selection a crash cut short
     stale.mkdir(parents=True)
-    assert distill.main(_argv(pair, home, report, "--min-records", "25")) == 1
+    assert distill.main(_argv(pair, home, report, "--min-records", "25")) == 3
     assert not stale.exists()
-    assert "only 24 new usable traffic records" in report.read_text()
+    rep = parse_report(report.read_text())
+    assert rep["outcome"] == "NotEnoughRecords" and "version" not in rep
+    assert rep["records"] == {"usable": 24, "required": 25}
+    assert "only 24 new usable traffic records" in rep["message"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rep
     assert Ledger(home / "distill" / "consumed.keys").load() == set()
     assert list_versions(home) == ["v000001"]
+    # The operator asks for exit code 0 (its Job completes); the same records make a round.
+    assert distill.main(_argv(pair, home, report, "--min-records", "25",
+                              "--idle-exit-code", "0")) == 0
+    assert parse_report(report.read_text())["outcome"] == "NotEnoughRecords"
+    assert distill.main(_argv(pair, home, report, "--min-records", "24")) == 0
+    assert parse_report(report.read_text())["version"] == "v000002"
 
 
 def test_failed_round_resumes_without_training_again(vol, tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ def test_report_uses_the_operators_spelling():
 
     r = rep.build_report(_manifest(), target_name="Qwen/Qwen3-8B")
     assert r == {
-        "version": "v000002", "parent": "v000001", "created": "2026-11-30T09:00:00Z",
+        "outcome": "Published", "version": "v000002", "parent": "v000001", "created": "2026-11-30T09:00:00Z",
         "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
         "training": {"algorithm": "opd-rkl", "records": 512, "steps": 64,
                      "finalLoss": 0.412346},

@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fail unless at least this many new usable records exist (default 128)")
     g.add_argument("--report", default=None, metavar="PATH",
                    help="write the JSON report (or, on failure, the reason) here")
+    g.add_argument("--idle-exit-code", type=int, default=3, metavar="N",
+                   help="exit code when there are too few new records for a round (default 3; "
+                        "the report then says \"outcome\": \"NotEnoughRecords\"). The operator "
+                        "passes 0, so the Job completes instead of failing")
     t = p.add_argument_group("training")
     t.add_argument("--loss", choices=("rkl", "fkl", "sft"), default=None,
                    help="rkl: CE on the target argmax + clipped reverse KL (OPD, the default); "

@@ -20,13 +20,16 @@ from sglang_adaflash.fsio import atomic_path
 
 #: Kubernetes' limit on a termination message.
 MAX_REPORT_BYTES = 4096
+#: ``outcome`` of a published round's report, and of a job with too few new records.
+OUTCOME_PUBLISHED = "Published"
+OUTCOME_NOT_ENOUGH = "NotEnoughRecords"
 
 
 def build_report(manifest: dict[str, Any], *, target_name: str) -> dict[str, Any]:
     training = manifest.get("training") or {}
     ev = manifest.get("eval") or {}
     target = manifest.get("target") or {}
-    report: dict[str, Any] = {"version": manifest["version"]}
+    report: dict[str, Any] = {"outcome": OUTCOME_PUBLISHED, "version": manifest["version"]}
     if manifest.get("parent"):
         report["parent"] = manifest["parent"]
     if manifest.get("created"):
@@ -56,6 +59,18 @@ def build_report(manifest: dict[str, Any], *, target_name: str) -> dict[str, Any
     return report
 
 
+def idle_report(*, parent: str, usable: int, required: int, message: str,
+                created: str) -> dict[str, Any]:
+    """The report of a job that found too few new records: no version, nothing published, and
+    nothing consumed. ``outcome`` tells the operator it is not a failure."""
+    report: dict[str, Any] = {"outcome": OUTCOME_NOT_ENOUGH, "created": created,
+                              "records": {"usable": int(usable), "required": int(required)},
+                              "message": message[:1000]}
+    if parent:
+        report["parent"] = parent
+    return report
+
+
 def encode_report(report: dict[str, Any], weight: dict[str, int] | None = None,
                   limit: int = MAX_REPORT_BYTES) -> bytes:
     """Compact JSON of at most ``limit`` bytes.
@@ -74,7 +89,7 @@ def encode_report(report: dict[str, Any], weight: dict[str, int] | None = None,
             (ev.get(key) or {}).pop(drop, None)
         data = json.dumps(report, separators=(",", ":")).encode()
     if len(data) > limit:
-        report = {k: report[k] for k in ("version", "parent") if k in report}
+        report = {k: report[k] for k in ("outcome", "version", "parent") if k in report}
         data = json.dumps(report, separators=(",", ":")).encode()
     return data
 

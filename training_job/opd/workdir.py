@@ -26,7 +26,12 @@ class JobError(RuntimeError):
 
 
 class NotEnoughRecords(JobError):
-    """Too little new traffic: a failure for one round, a reason to wait for ``--follow``."""
+    """Too little new traffic: no round yet. Not a failure: the job writes a report with
+    ``"outcome": "NotEnoughRecords"`` and exits ``--idle-exit-code``; ``--follow`` waits."""
+
+    def __init__(self, message: str, usable: int = 0, required: int = 0):
+        super().__init__(message)
+        self.usable, self.required = usable, required
 
 
 class GateRejected(JobError):
@@ -100,12 +105,14 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
     _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
          f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
     if sel.usable < args.min_records:
-        raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under {home}/traffic "
-                       f"(need --min-records {args.min_records}; {sel.new} new, "
-                       f"{report.skipped_total} lines skipped)")
+        raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under "
+                               f"{home}/traffic (need --min-records {args.min_records}; "
+                               f"{sel.new} new, {report.skipped_total} lines skipped)",
+                               sel.usable, args.min_records)
     if not sel.eval:
-        raise NotEnoughRecords("no record left to hold out for the evaluation; lower --min-eval-records "
-                       "or wait for more traffic")
+        raise NotEnoughRecords("no record left to hold out for the evaluation; lower "
+                               "--min-eval-records or wait for more traffic", sel.usable,
+                               args.min_records)
     tmp = work.with_name(f".{work.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -178,7 +178,7 @@ def drafter_copy(drafter, dtype, device):
 
 
 def stop_ids_and_pad(target_dir: Path, model) -> tuple[tuple[int, ...], int]:
-    from sglang_adaflash.cli.loading import stop_token_ids
+    from sglang_adaflash.launch.loading import stop_token_ids
 
     tokenizer = None
     try:

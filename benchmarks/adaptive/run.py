@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
-from sglang_adaflash.cli.generate import make_engine
-from sglang_adaflash.cli.loading import load_pair
-from sglang_adaflash.cli.prompts import read_prompts, resolve_prompt_ids
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import EngineStats
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
 from sglang_adaflash.fsio import write_text_atomic
+from sglang_adaflash.launch.engine_factory import make_engine
+from sglang_adaflash.launch.loading import load_pair
+from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
 from sglang_adaflash.planner.calibration import SurvivalPosterior
 
 MODES = ("ar", "dflash", "adaflash")

@@ -130,10 +130,10 @@ def evaluate(version_dir: Path, samples, threads: int, new_tokens: int = 64) -> 
     from transformers import AutoModelForCausalLM
 
     from sglang_adaflash.bench.metrics import pearson
+    from sglang_adaflash.core.sampling import SamplingParams
     from sglang_adaflash.drafter.checkpoint import load_drafter
     from sglang_adaflash.engine.engine import SpecEngine
     from sglang_adaflash.engine.request import Request
-    from sglang_adaflash.engine.sampling import SamplingParams
     from sglang_adaflash.target.hf_target import HFTarget
     from training_job.distill import stop_ids_and_pad
 

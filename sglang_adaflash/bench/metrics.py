@@ -1,6 +1,6 @@
 """Speculation statistics of one benchmark run, aggregated over its requests (pure functions).
 
-Words as in sglang_adaflash.engine.verify: a decode step commits tau tokens (accepted proposals
+Words as in sglang_adaflash.core.rejection: a decode step commits tau tokens (accepted proposals
 plus one bonus or recovered token) after verifying L tokens (the verify length). The first token
 of every request comes from prefill and is not a step.
 """

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from ..cli.generate import check_seed, make_engine, quiet_transformers
-from ..cli.loading import LoadedPair, load_pair
-from ..cli.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
+from ..core.sampling import SamplingParams
 from ..d2sd.cli import options_from_args
 from ..engine.engine import EngineStats
 from ..engine.request import Request
-from ..engine.sampling import SamplingParams
 from ..fsio import write_json_atomic
+from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
+from ..launch.loading import LoadedPair, load_pair
+from ..launch.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
 from .hf_baseline import run_hf
 from .metrics import aggregate, first_difference
 from .plot import plot_results

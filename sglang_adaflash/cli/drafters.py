@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from .prompts import CLIError
+from ..launch.prompts import CLIError
 
 ENV_HOME = "ADAFLASH_HOME"
 DEFAULT_HOME = "/var/lib/adaflash"

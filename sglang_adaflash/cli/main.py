@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from ..d2sd.cli import add_d2sd_args
-from .prompts import CLIError
+from ..errors import CLIError
+from ..launch.engine_factory import model_dir_arg
 
 MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
@@ -46,24 +47,10 @@ def _mode_list(text: str) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def _model_dir(which: str):
-    """`embedded` names the pair bundled in the package, so an installed copy needs no path to it
-    (a local directory of that name is `./embedded`)."""
-
-    def convert(text: str) -> str:
-        if text == "embedded":
-            from ..assets import DRAFTER_DIR, TARGET_DIR
-
-            return str(TARGET_DIR if which == "target" else DRAFTER_DIR)
-        return text
-
-    return convert
-
-
 def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
-    p.add_argument("--target", required=True, metavar="DIR", type=_model_dir("target"),
+    p.add_argument("--target", required=True, metavar="DIR", type=model_dir_arg("target"),
                    help="Hugging Face target model directory, or `embedded` for the bundled target")
-    p.add_argument("--drafter", required=drafter_required, metavar="DIR", type=_model_dir("drafter"),
+    p.add_argument("--drafter", required=drafter_required, metavar="DIR", type=model_dir_arg("drafter"),
                    help="DFlash drafter checkpoint directory, or `embedded` for the bundled drafter")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                    help="run target and drafter in this dtype (default: the target's own)")
@@ -147,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--mode", choices=SERVE_MODES, default="dflash",
                       help="serving mode (default dflash: every drafted slot is verified, so live tau "
                            "shows what the drafter learned; see docs/serving.md)")
-    loop.add_argument("--target", default="embedded", type=_model_dir("target"), metavar="DIR",
+    loop.add_argument("--target", default="embedded", type=model_dir_arg("target"), metavar="DIR",
                       help="target directory (default: the embedded one)")
-    loop.add_argument("--drafter", default="embedded", type=_model_dir("drafter"), metavar="DIR",
+    loop.add_argument("--drafter", default="embedded", type=model_dir_arg("drafter"), metavar="DIR",
                       help="drafter published as v000001 (default: the embedded one)")
     loop.add_argument("--first-requests", type=_positive_int, default=None,
                       help="requests of the code+prose phase (default 32; --quick 8)")
@@ -181,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..server.cli import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _model_dir)
+    add_serve_parser(sub, model_dir_arg)
     from .distill import add_parser as add_distill_parser
     from .drafters import add_parser as add_drafters_parser
 

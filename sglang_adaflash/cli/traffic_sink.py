@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .prompts import CLIError
+from ..launch.prompts import CLIError
 
 
 class TrafficSink:

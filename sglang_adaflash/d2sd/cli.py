@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cli.prompts import CLIError
+from ..errors import CLIError
 from . import TREE_RULES
 
 RECOVERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "recovery_drafter"

@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecEngine, _Seq
-from ..engine.sampling import filtered_probs
 from ..target.hf_target import HFTarget
 from . import TREE_RULES
 from .recovery import TreeCost, plan_tree

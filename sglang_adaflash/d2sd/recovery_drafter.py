@@ -20,9 +20,9 @@ import os
 
 import torch
 
+from ..core.kv_cache import SlotKVCache
 from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
-from ..engine.kv_cache import SlotKVCache
 from ..engine.proposer import DFlashProposer, _consecutive
 
 RECOVERY_KEY = "recovery_drafter"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter.layers import apply_rope, attention
-from ..engine.kv_cache import SlotKVCache
+from ..core.kv_cache import SlotKVCache
+from ..core.layers import apply_rope, attention
 from ..target.hf_target import HFTarget, _norm
 from .tree import FlatTree
 

@@ -65,10 +65,10 @@ def ar_outputs(target: str, dtype: str | None, prompts: dict[str, str], max_toke
 
     if threads:
         torch.set_num_threads(threads)
-    from ..cli.generate import make_engine, quiet_transformers
-    from ..cli.loading import load_pair
+    from ..core.sampling import SamplingParams
     from ..engine.request import Request
-    from ..engine.sampling import SamplingParams
+    from ..launch.engine_factory import make_engine, quiet_transformers
+    from ..launch.loading import load_pair
 
     quiet_transformers()
     pair = load_pair(target, None, dtype=dtype, need_drafter=False)

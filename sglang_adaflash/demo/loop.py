@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from ..cli.prompts import CLIError
+from ..errors import CLIError
 from . import check as eqcheck
 from .client import Poller, Replayer
 from .procs import ChildError, Children, restore_sigterm, terminate_as_interrupt

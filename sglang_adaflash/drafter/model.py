@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.layers import RMSNorm, apply_rope, attention, rope_cos_sin
 from .config import DrafterConfig
-from .layers import RMSNorm, apply_rope, attention, rope_cos_sin
 from .length_head import AdaptiveLengthHead
 
 LENGTH_HEAD_PREFIX = "thresh_head_two_model."

@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import flashinfer_sampling
+from ..core.rejection import RejectionSampler, VerifyResult
+from ..core.sampling import RequestError, filtered_probs
+from ..core.spec_metadata import RowSampling, SpecMetadata
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
+from ..planner.cost import OnlineCostModel, StepCostModel
 from ..planner.lengths import (
     PlanCost,
     expected_tau,
@@ -26,12 +31,8 @@ from ..planner.lengths import (
     survival_rate,
 )
 from ..target.hf_target import HFTarget, TargetBatch
-from . import flashinfer_sampling
-from .length_policy import OnlineCostModel, StepCostModel
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
-from .sampling import RequestError, filtered_probs, sample_from
-from .verify import PLACEHOLDER, VerifyResult, verify_greedy, verify_sampling
 
 MODES = ("ar", "dflash", "adaflash")
 _MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
@@ -51,28 +52,20 @@ class EngineStats:
 
 
 @dataclass
-class SpecBatch:
-    """What drafting hands to verification in one decode step: the step's contract.
+class SpecBatch(SpecMetadata):
+    """The step's contract (core.spec_metadata: lengths, proposals, q, which rows sample) and
+    what the engine's own bookkeeping needs besides: whom it drafted, and what it predicted.
 
     Rows are the running requests (row i sits in cache slot i). A row that was not drafted
     verifies only its bonus token (length 1) and has no proposals.
     """
 
-    lengths: torch.Tensor  # [bs] long, host: verify length L_i in [1, B], slot 0 included
-    draft_ids: torch.Tensor | None = None  # [bs, max(L) - 1] proposals (device)
-    draft_probs: torch.Tensor | None = None  # [len(sampled), max(L) - 1, V] q of sampled rows
-    sampled: list[int] | None = None  # rows that sample (T > 0); the rest are greedy
     drafted: list[int] = field(default_factory=list)  # rows the drafter ran for
     probes: list[int] = field(default_factory=list)  # drafted rows that were forced to
     head_ratio: torch.Tensor | None = None  # [len(drafted)] the length head's E[tau]/B
     head_survival: torch.Tensor | None = None  # [len(drafted)] survival read from it
     survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
     draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
-
-    @classmethod
-    def plain(cls, bs: int, device) -> SpecBatch:
-        """A plain decode step: nobody drafted, every row verifies its bonus token."""
-        return cls(torch.ones(bs, dtype=torch.long), torch.zeros(bs, 0, dtype=torch.long, device=device))
 
     def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
@@ -192,7 +185,7 @@ class SpecEngine:
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.use_flashinfer = flashinfer_sampling.available(self.device)
+        self.sampler = RejectionSampler(self.generator, flashinfer_sampling.available(self.device))
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.stats = EngineStats()
@@ -341,6 +334,10 @@ class SpecEngine:
             col([p.top_p for p in sp], torch.float32),
         )
 
+    def _row_sampling(self, seqs: list[_Seq]) -> RowSampling:
+        temp, top_k, top_p = self._sampling_tensors(seqs)
+        return RowSampling(temp, top_k, top_p, [s.generator for s in seqs])
+
     @staticmethod
     def _pad_rows(flat: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """Packed rows [sum(lens), D] -> padded [n, max(lens), D]."""
@@ -363,7 +360,7 @@ class SpecEngine:
         tokens = [[s.last_token] + rows[i][: n - 1] for i, (s, n) in enumerate(zip(seqs, spec.lengths.tolist()))]
         batch = TargetBatch.from_lists(tokens, [s.cache_len for s in seqs], self.device)
         logits, aux = self.target.forward(batch, self.cache)
-        result = self._accept(seqs, spec, self._pad_rows(logits, batch.q_lens))
+        result = self.sampler.verify(spec, self._pad_rows(logits, batch.q_lens))
         committed = result.to_lists()
         self._update_context(seqs, spec, aux, batch.q_lens, result)
         self._commit(seqs, spec, committed, result)
@@ -379,7 +376,15 @@ class SpecEngine:
                                       draft_seconds=spec.draft_seconds, proposals=verified - len(seqs))
 
     def _draft(self, seqs: list[_Seq]) -> SpecBatch:
-        """Choose whom to draft, draft them, choose every verify length, make the proposals."""
+        """Choose whom to draft, draft them, choose every verify length, make the proposals;
+        name the rows that sample, with their filters, for the verifier."""
+        spec = self._draft_rows(seqs)
+        spec.sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
+        if spec.sampled:
+            spec.sampling = self._row_sampling([seqs[i] for i in spec.sampled])
+        return spec
+
+    def _draft_rows(self, seqs: list[_Seq]) -> SpecBatch:
         bs = len(seqs)
         cap = torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long)
         if self.proposer is None:
@@ -549,7 +554,7 @@ class SpecEngine:
         """
         bs, k = len(seqs), int(spec.lengths.max()) - 1
         spec.draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
-        spec.sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if k <= 0:
             return
         in_hidden = torch.full((bs,), -1, dtype=torch.long)
@@ -559,63 +564,24 @@ class SpecEngine:
         rows_d, slots_d = rows.to(self.device), slots.to(self.device)
         logits = self.proposer.proposal_logits(hidden, in_hidden[rows].to(self.device), slots_d + 1)  # [n, V]
         spec.draft_ids[rows_d, slots_d] = logits.argmax(-1)
-        if not spec.sampled:
+        if not sampled:
             return
         hot_index = torch.full((bs,), -1, dtype=torch.long)
-        hot_index[spec.sampled] = torch.arange(len(spec.sampled))
+        hot_index[sampled] = torch.arange(len(sampled))
         sel = (hot_index[rows] >= 0).to(self.device)
         temp, top_k, top_p = self._sampling_tensors(seqs)
         rs = rows_d[sel]
         q = filtered_probs(logits[sel], temp[rs], top_k[rs], top_p[rs])
         spec.draft_ids[rs, slots_d[sel]] = self._sample(q, [seqs[i] for i in rows[sel.cpu()].tolist()])
-        spec.draft_probs = q.new_zeros(len(spec.sampled), k, q.shape[-1])
+        spec.draft_probs = q.new_zeros(len(sampled), k, q.shape[-1])
         spec.draft_probs[hot_index[rows].to(self.device)[sel], slots_d[sel]] = q
-
-    def _accept(self, seqs, spec: SpecBatch, target_logits) -> VerifyResult:
-        """Greedy rows by matching, sampled rows by rejection sampling; one result for all."""
-        k = target_logits.shape[1] - 1
-        draft_ids = spec.draft_ids[:, :k]
-        num_candidates = (spec.lengths - 1).to(self.device)
-        result = verify_greedy(draft_ids, target_logits, num_candidates)
-        hot = spec.sampled if spec.sampled is not None else [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
-        if hot:
-            hot_seqs = [seqs[i] for i in hot]
-            p = filtered_probs(target_logits[hot].flatten(0, 1), *self._sampling_tensors(hot_seqs, k + 1))
-            q = spec.draft_probs[:, :k] if spec.draft_probs is not None else p.new_zeros(len(hot), 0, p.shape[-1])
-            sampled = self._verify_sampled(draft_ids[hot], q, p.view(len(hot), k + 1, -1), num_candidates[hot],
-                                           hot_seqs)
-            result.tokens[hot] = sampled.tokens
-            result.num_accepted[hot] = sampled.num_accepted
-        return result
-
-    def _verify_sampled(self, draft_ids, q, p, num_candidates, owners=None) -> VerifyResult:
-        if owners is not None and any(s.generator is not None for s in owners):
-            # seeded rows verify one at a time, each from its own stream and over its own
-            # candidates only, so what it draws does not depend on the batch's longest row
-            k = draft_ids.shape[1]
-            tokens = torch.full((len(owners), k + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
-            accepted = torch.zeros(len(owners), dtype=torch.long, device=draft_ids.device)
-            for i, (s, n) in enumerate(zip(owners, num_candidates.tolist())):
-                r = verify_sampling(draft_ids[i:i + 1, :n], q[i:i + 1, :n], p[i:i + 1, :n + 1],
-                                    num_candidates[i:i + 1], self._generator_of(s))
-                tokens[i, :n + 1] = r.tokens[0]
-                accepted[i] = r.num_accepted[0]
-            return VerifyResult(tokens=tokens, num_accepted=accepted)
-        n = num_candidates[0]
-        if self.use_flashinfer and q.shape[1] > 0 and bool((num_candidates == n).all()):  # syncs once
-            return flashinfer_sampling.verify_sampling_uniform(draft_ids, q, p, int(n), self.generator)
-        return verify_sampling(draft_ids, q, p, num_candidates, self.generator)
 
     def _generator_of(self, seq: _Seq | None) -> torch.Generator:
         return seq.generator if seq is not None and seq.generator is not None else self.generator
 
     def _sample(self, probs: torch.Tensor, owners: list[_Seq] | None = None) -> torch.Tensor:
         """One draw per row of probs; owners[j] is row j's request when rows may be seeded."""
-        if owners is not None and any(s.generator is not None for s in owners):
-            return torch.cat([sample_from(probs[j:j + 1], self._generator_of(s)) for j, s in enumerate(owners)])
-        if self.use_flashinfer:
-            return flashinfer_sampling.sample(probs, self.generator)
-        return sample_from(probs, self.generator)
+        return self.sampler.sample(probs, None if owners is None else [s.generator for s in owners])
 
     def _commit(self, seqs, spec: SpecBatch, committed, result: VerifyResult) -> None:
         if spec.survival is not None and self.posterior is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.kv_cache import SlotKVCache
 from ..drafter.model import DFlashDrafter
-from .kv_cache import SlotKVCache
 
 
 class DFlashProposer:

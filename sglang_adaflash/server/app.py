@@ -26,9 +26,9 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from ..cli.prompts import encode_prompt
+from ..core.sampling import SamplingParams
 from ..engine.request import Request
-from ..engine.sampling import SamplingParams
+from ..launch.prompts import encode_prompt
 from . import sse
 from .engine_loop import ACCEPTED, DONE, FAILED, TOKENS, EngineLoop, Job, LoopClosed, QueueFull
 from .protocol import (

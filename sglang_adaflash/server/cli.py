@@ -20,7 +20,7 @@ import re
 import socket
 from pathlib import Path
 
-from ..cli.prompts import CLIError
+from ..errors import CLIError
 
 MODES = ("ar", "dflash", "adaflash")
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -149,10 +149,10 @@ def build_server(args):
     """Everything but the socket; raises CLIError with a one-line message."""
     import torch
 
-    from ..cli.generate import check_seed, make_engine, quiet_transformers
-    from ..cli.loading import load_pair
+    from ..core.sampling import SamplingParams
     from ..engine.request import Request
-    from ..engine.sampling import SamplingParams
+    from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
+    from ..launch.loading import load_pair
     from ..serving.metrics import FanoutSink, LoggingSink, PrometheusSink
     from ..serving.traffic import TrafficError, TrafficWriter
     from .app import AdaFlashServer, ServerSettings

@@ -106,9 +106,9 @@ async def _http_run(url: str, model: str, requests, concurrency: int, stream: bo
 
 
 def _direct_run(pair, mode: str, concurrency: int, requests, seed: int) -> tuple[float, float, list[list[int]]]:
-    from ..cli.generate import make_engine
+    from ..core.sampling import SamplingParams
     from ..engine.request import Request
-    from ..engine.sampling import SamplingParams
+    from ..launch.engine_factory import make_engine
 
     max_seq = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
     engine = make_engine(pair, mode, concurrency, max_seq, seed, batch_flag="--concurrency")
@@ -149,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..bench.runner import BenchConfig, build_workload, recorded_command, recorded_path
-    from ..cli.loading import load_pair
-    from ..cli.main import _model_dir
-    from ..cli.prompts import read_prompts
     from ..fsio import write_json_atomic
+    from ..launch.engine_factory import model_dir_arg as _model_dir
+    from ..launch.loading import load_pair
+    from ..launch.prompts import read_prompts
 
     args = build_parser().parse_args(argv)
     target, drafter = _model_dir("target")(args.target), _model_dir("drafter")(args.drafter) if args.drafter else None

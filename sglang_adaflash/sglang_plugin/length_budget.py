@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
-from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.planner.lengths import LENGTH_RULES
 from sglang_adaflash.planner.lengths import plan_verify_lengths as shared_plan
 

@@ -43,7 +43,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
-from sglang_adaflash.engine.length_policy import StepCostModel
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.serving import reload as rl
 from sglang_adaflash.serving.metrics import (
     AcceptanceWindow,

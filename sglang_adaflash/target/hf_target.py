@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..drafter.layers import apply_rope, attention, rms_norm
-from ..engine.kv_cache import SlotKVCache
+from ..core.kv_cache import SlotKVCache
+from ..core.layers import apply_rope, attention, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 

@@ -9,9 +9,9 @@ import pytest
 from sglang_adaflash.bench import runner
 from sglang_adaflash.bench.metrics import aggregate, first_difference, pearson
 from sglang_adaflash.cli.main import main
-from sglang_adaflash.engine import engine as engine_mod
+from sglang_adaflash.core.rejection import verify_greedy
+from sglang_adaflash.core import rejection as rejection_mod
 from sglang_adaflash.engine.request import RequestOutput, RequestStats
-from sglang_adaflash.engine.verify import verify_greedy
 
 MODES = ["hf", "ar", "dflash", "adaflash"]
 
@@ -89,7 +89,7 @@ def test_equality_check_catches_a_lossy_verifier(tiny_pair, workload, tmp_path, 
         res.tokens.scatter_(1, n[:, None], target_logits.argmax(-1).gather(1, n[:, None]))
         return res
 
-    monkeypatch.setattr(engine_mod, "verify_greedy", accept_everything)
+    monkeypatch.setattr(rejection_mod, "verify_greedy", accept_everything)
     rc = _bench(tiny_pair, workload, tmp_path, "--modes", "ar,dflash", "--strict")
     err = capsys.readouterr().err
     assert rc == 1 and "MISMATCH" in err

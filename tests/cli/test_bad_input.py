@@ -8,9 +8,10 @@ import os
 import pytest
 
 from sglang_adaflash.cli import generate as generate_mod
-from sglang_adaflash.cli.loading import load_tokenizer
+from sglang_adaflash.launch import engine_factory
 from sglang_adaflash.cli.main import main
-from sglang_adaflash.cli.prompts import PromptSpec, read_prompts, resolve_prompt_ids
+from sglang_adaflash.launch.loading import load_tokenizer
+from sglang_adaflash.launch.prompts import PromptSpec, read_prompts, resolve_prompt_ids
 
 GOOD_A = b'{"id": "a", "prompt": "first question"}'
 GOOD_B = b'{"id": "b", "prompt_ids": [1, 4, 70, 71, 6, 5]}'
@@ -147,7 +148,7 @@ def test_huge_max_batch_size_allocates_for_the_requests_present(tiny_pair, tmp_p
 
 
 def test_caches_that_cannot_fit_are_refused_clearly(tiny_pair, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate_mod, "available_memory", lambda device: 2**20)
+    monkeypatch.setattr(engine_factory, "available_memory", lambda device: 2**20)
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join([GOOD_A] * 40))
     rc, recs, err = _generate(capsys, tiny_pair, "--prompts", path, "--max-batch-size", 1000, "--max-new-tokens", 2000)

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sglang_adaflash.cli.main import main
-from sglang_adaflash.cli.prompts import CLIError, read_prompts
+from sglang_adaflash.launch.prompts import CLIError, read_prompts
 
 from .conftest import write_jsonl
 

@@ -4,11 +4,11 @@ follows the target's distribution at every position (chi-square, with a wrong-sa
 import pytest
 import torch
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.d2sd.engine import D2SDEngine
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB, _conditional_pvalues

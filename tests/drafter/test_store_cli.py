@@ -8,9 +8,9 @@ import json
 import pytest
 
 from sglang_adaflash.cli.drafters import add_parser, cmd_drafters
-from sglang_adaflash.cli.prompts import CLIError
 from sglang_adaflash.drafter.checkpoint import write_checkpoint
 from sglang_adaflash.drafter.store import latest_version
+from sglang_adaflash.launch.prompts import CLIError
 from sglang_adaflash.testing.fixtures import drafter_config, random_state
 from sglang_adaflash.testing.tiny_pair import build_tiny_pair
 

@@ -1,9 +1,9 @@
 """SpecEngine.abort: a dropped request frees its slot and changes nothing for the others."""
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner.cost import StepCostModel
 
 from .conftest import OracleProposer
 

@@ -6,16 +6,16 @@ import itertools
 import pytest
 import torch
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
 from sglang_adaflash.planner import (
     PlanCost,
     SurvivalPosterior,
     expected_tau,
     plan_lengths,
 )
+from sglang_adaflash.planner.cost import StepCostModel
 
 from .conftest import OracleProposer
 from .test_lossless_greedy import _prompts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_adaflash.engine import sampling as S
+from sglang_adaflash.core import sampling as S
 
 V = 2048
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead, candidate_lengths, length_label
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel, choose_verify_lengths, survival_rate
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner.cost import StepCostModel, choose_verify_lengths, survival_rate
 
 
 @pytest.mark.parametrize("block, rate, min_len", [(16, 1.3, 2), (8, 1.0, 1), (16, 2.0, 4)])
@@ -72,7 +72,7 @@ def test_engine_lengths_stay_in_bounds(target, drafter):
 def test_online_cost_model_separates_batch_and_token_costs():
     """Steps timed as 2 ms + 0.5 ms per request + 0.1 ms per verified token: the fit recovers
     the per-token price instead of charging the per-request part to tokens."""
-    from sglang_adaflash.engine.length_policy import OnlineCostModel
+    from sglang_adaflash.planner.cost import OnlineCostModel
 
     model = OnlineCostModel(StepCostModel(fixed=0.01, per_token=0.001))
     g = torch.Generator().manual_seed(0)
@@ -91,7 +91,7 @@ def test_online_cost_model_prices_drafting_from_its_own_timings():
     0.4 ms per drafted request, under a shared machine's jitter in the verify phase: the fit
     recovers the drafter's own price. Control: without the drafting phase's own timings the
     model cannot learn it (it keeps the profile's)."""
-    from sglang_adaflash.engine.length_policy import OnlineCostModel
+    from sglang_adaflash.planner.cost import OnlineCostModel
 
     prior = StepCostModel(fixed=0.01, per_token=0.001, per_draft=0.002, draft_fixed=0.01)
     split, whole = OnlineCostModel(prior), OnlineCostModel(prior)

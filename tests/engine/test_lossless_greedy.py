@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 from .conftest import OracleProposer

@@ -6,10 +6,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from sglang_adaflash.core.sampling import SamplingParams, filtered_probs
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.length_policy import StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams, filtered_probs
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 VOCAB = 6
@@ -140,7 +140,7 @@ def _conditional_pvalues(target, sp: SamplingParams, samples: list[tuple], min_g
 
 def _always_accept(draft_ids, q, p, num_candidates, generator=None):
     """A known-wrong rejection sampler: keeps every proposal, then draws the bonus from p."""
-    from sglang_adaflash.engine.verify import _assemble
+    from sglang_adaflash.core.rejection import _assemble
 
     accepted = num_candidates.clone()
     last_p = p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
@@ -170,8 +170,8 @@ def test_every_verified_position_follows_the_target(mode, wrong, monkeypatch):
     the conditional distribution at each of the B+2 positions is the target's. Control
     (wrong=True): an always-accepting sampler is rejected."""
     if wrong:
-        monkeypatch.setattr("sglang_adaflash.engine.engine.verify_sampling", _always_accept)
-        monkeypatch.setattr("sglang_adaflash.engine.flashinfer_sampling.available", lambda device: False)
+        monkeypatch.setattr("sglang_adaflash.core.rejection.verify_sampling", _always_accept)
+        monkeypatch.setattr("sglang_adaflash.core.flashinfer_sampling.available", lambda device: False)
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
     target, samples, greedy_outs, deep = _engine_samples(mode, sp)
     assert deep > 200, "whole blocks must be accepted for the deep positions to be checked"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import SpecEngine, StepCostModel
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.engine.sampling import SamplingParams
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 from .test_lossless_sampling import PROMPT, VOCAB, _chi_square, _exact_joint

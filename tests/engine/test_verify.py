@@ -4,8 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sglang_adaflash.engine.sampling import filtered_probs
-from sglang_adaflash.engine.verify import PLACEHOLDER, verify_greedy, verify_sampling
+from sglang_adaflash.core.rejection import PLACEHOLDER, verify_greedy, verify_sampling
+from sglang_adaflash.core.sampling import filtered_probs
 
 
 def _logits_for(argmaxes, vocab=6):

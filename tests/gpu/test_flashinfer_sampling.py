@@ -4,8 +4,8 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from sglang_adaflash.engine import flashinfer_sampling
-from sglang_adaflash.engine.verify import verify_sampling
+from sglang_adaflash.core import flashinfer_sampling
+from sglang_adaflash.core.rejection import verify_sampling
 
 pytestmark = [
     pytest.mark.gpu,

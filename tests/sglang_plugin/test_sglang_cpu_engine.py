@@ -7,7 +7,7 @@ with SGLang's CPU dispatch (its torch reference implementations) and once with e
 verify, scatter, accept and block-preparation kernel dispatched to SGLang's Triton kernels
 under ``TRITON_INTERPRET=1``. What each step's verification saw and decided is compared between
 the two runs, with the packing SGLang's layout implies, and with the reference engine's
-verifier (``sglang_adaflash.engine.verify``) on the same logits.
+verifier (``sglang_adaflash.core.rejection``) on the same logits.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 pytest.importorskip("sglang")
 
-from sglang_adaflash.engine.sampling import filtered_probs  # noqa: E402
-from sglang_adaflash.engine.verify import verify_greedy, verify_sampling  # noqa: E402
+from sglang_adaflash.core.rejection import verify_greedy, verify_sampling  # noqa: E402
+from sglang_adaflash.core.sampling import filtered_probs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16  # the embedded drafter's block size

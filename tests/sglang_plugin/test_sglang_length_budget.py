@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang")
 
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead  # noqa: E402
-from sglang_adaflash.engine.length_policy import StepCostModel  # noqa: E402
+from sglang_adaflash.planner.cost import StepCostModel  # noqa: E402
 from sglang_adaflash.sglang_plugin import length_budget as lb  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def test_planner_follows_head_and_load():
     lean = planner(quarter, dear_tokens).plan(hidden, 4, greedy=True).verify_lens_cpu
     assert all(2 <= n < 8 for n in lean), lean
     # the same decisions as the reference engine's rule on the same ratio
-    from sglang_adaflash.engine.length_policy import choose_verify_lengths
+    from sglang_adaflash.planner.cost import choose_verify_lengths
 
     ratio = torch.full((4,), 0.25)
     assert lean == choose_verify_lengths(ratio, block, dear_tokens, min_len=2).tolist()

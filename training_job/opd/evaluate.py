@@ -27,9 +27,9 @@ def engine_tau(target_model, drafter, samples: list[Sample], *, max_new_tokens: 
 
     Each prompt decodes as many tokens as its served response had, at most ``max_new_tokens``.
     """
+    from sglang_adaflash.core.sampling import SamplingParams
     from sglang_adaflash.engine.engine import SpecEngine
     from sglang_adaflash.engine.request import Request
-    from sglang_adaflash.engine.sampling import SamplingParams
     from sglang_adaflash.target.hf_target import HFTarget
 
     if not samples:

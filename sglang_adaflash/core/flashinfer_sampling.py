@@ -9,10 +9,13 @@ project's CPU machines everything runs in torch; tests marked `gpu` check that b
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from .verify import VerifyResult
+if TYPE_CHECKING:
+    from .rejection import VerifyResult
+
 
 
 @functools.cache
@@ -46,6 +49,8 @@ def verify_sampling_uniform(
     draft_ids [bs, K]; draft_probs [bs, K, V]; target_probs [bs, K+1, V]. Returns the same
     VerifyResult layout as the torch verifier (committed tokens padded with PLACEHOLDER = -1).
     """
+    from .rejection import VerifyResult  # it imports this module
+
     fi = _flashinfer_sampling()
     k = num_candidates
     out = fi.chain_speculative_sampling(

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import flashinfer_sampling
+from .sampling import filtered_probs, sample_from
+from .spec_metadata import SpecMetadata
+
 PLACEHOLDER = -1  # pads VerifyResult.tokens past each request's committed tokens
 
 
@@ -93,3 +97,66 @@ def verify_sampling(
     residual = torch.where(empty, p_last, residual)
     last = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
     return _assemble(draft_ids, accepted, last)
+
+
+class RejectionSampler:
+    """Verifies a mixed batch in one call: greedy rows by matching the target's argmax, sampled
+    rows by speculative sampling against their own filtered target distribution.
+
+    It owns the shared random stream (a seeded request brings its own, see ``RowSampling``), and
+    picks FlashInfer's fused kernel on CUDA where it applies: unseeded rows that all check the
+    same number of proposals.
+    """
+
+    def __init__(self, generator: torch.Generator | None, use_flashinfer: bool = False):
+        self.generator = generator
+        self.use_flashinfer = use_flashinfer
+
+    def verify(self, meta: SpecMetadata, target_logits: torch.Tensor) -> VerifyResult:
+        """target_logits [bs, K'+1, V] with K' <= K: slot j predicts slot j + 1; rows verify at
+        most K' proposals (the target ran on each row's verify length, padded)."""
+        k = target_logits.shape[1] - 1
+        draft_ids = meta.draft_ids[:, :k]
+        num_candidates = (meta.lengths - 1).clamp(max=k).to(target_logits.device)
+        result = verify_greedy(draft_ids, target_logits, num_candidates)
+        hot = meta.sampled or []
+        if not hot:
+            return result
+        rs = meta.sampling
+        p = filtered_probs(target_logits[hot].flatten(0, 1), *rs.repeated(k + 1))
+        p = p.view(len(hot), k + 1, -1)
+        q = meta.draft_probs[:, :k] if meta.draft_probs is not None and k > 0 else \
+            p.new_zeros(len(hot), 0, p.shape[-1])
+        sampled = self._verify_sampled(draft_ids[hot], q, p, num_candidates[hot], rs.generators)
+        result.tokens[hot] = sampled.tokens
+        result.num_accepted[hot] = sampled.num_accepted
+        return result
+
+    def sample(self, probs: torch.Tensor,
+               generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+        """One draw per row of probs [N, V]; generators[j] is row j's own stream, if any."""
+        if generators is not None and any(g is not None for g in generators):
+            return torch.cat([sample_from(probs[j:j + 1], g if g is not None else self.generator)
+                              for j, g in enumerate(generators)])
+        if self.use_flashinfer:
+            return flashinfer_sampling.sample(probs, self.generator)
+        return sample_from(probs, self.generator)
+
+    def _verify_sampled(self, draft_ids, q, p, num_candidates, generators) -> VerifyResult:
+        if generators is not None and any(g is not None for g in generators):
+            # Seeded rows verify one at a time, each from its own stream and over its own
+            # candidates only, so what a row draws does not depend on the batch around it.
+            k = draft_ids.shape[1]
+            tokens = torch.full((len(generators), k + 1), PLACEHOLDER, dtype=torch.long,
+                                device=draft_ids.device)
+            accepted = torch.zeros(len(generators), dtype=torch.long, device=draft_ids.device)
+            for i, (g, n) in enumerate(zip(generators, num_candidates.tolist())):
+                r = verify_sampling(draft_ids[i:i + 1, :n], q[i:i + 1, :n], p[i:i + 1, :n + 1],
+                                    num_candidates[i:i + 1], g if g is not None else self.generator)
+                tokens[i, :n + 1] = r.tokens[0]
+                accepted[i] = r.num_accepted[0]
+            return VerifyResult(tokens=tokens, num_accepted=accepted)
+        n = num_candidates[0]
+        if self.use_flashinfer and q.shape[1] > 0 and bool((num_candidates == n).all()):
+            return flashinfer_sampling.verify_sampling_uniform(draft_ids, q, p, int(n), self.generator)
+        return verify_sampling(draft_ids, q, p, num_candidates, self.generator)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner.lengths import PlanCost, plan_lengths, survival_rate
+from .lengths import PlanCost, plan_lengths, survival_rate
 
 __all__ = ["OnlineCostModel", "StepCostModel", "choose_verify_lengths", "survival_rate"]
 

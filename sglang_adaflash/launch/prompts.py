@@ -21,9 +21,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CLIError
 
-class CLIError(Exception):
-    """A problem with the command line or its inputs; printed as one line, exit code 2."""
+__all__ = ["CLIError", "PromptSpec", "encode_prompt", "parse_prompt_record", "printable_path",
+           "read_prompts", "resolve_prompt_ids", "unicode_problem"]
 
 
 @dataclass

@@ -9,8 +9,8 @@ import pytest
 from sglang_adaflash.bench import runner
 from sglang_adaflash.bench.metrics import aggregate, first_difference, pearson
 from sglang_adaflash.cli.main import main
-from sglang_adaflash.core.rejection import verify_greedy
 from sglang_adaflash.core import rejection as rejection_mod
+from sglang_adaflash.core.rejection import verify_greedy
 from sglang_adaflash.engine.request import RequestOutput, RequestStats
 
 MODES = ["hf", "ar", "dflash", "adaflash"]

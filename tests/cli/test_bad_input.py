@@ -8,8 +8,8 @@ import os
 import pytest
 
 from sglang_adaflash.cli import generate as generate_mod
-from sglang_adaflash.launch import engine_factory
 from sglang_adaflash.cli.main import main
+from sglang_adaflash.launch import engine_factory
 from sglang_adaflash.launch.loading import load_tokenizer
 from sglang_adaflash.launch.prompts import PromptSpec, read_prompts, resolve_prompt_ids
 

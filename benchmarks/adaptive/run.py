@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
+from sglang_adaflash.bench.metrics import step_mae_floor
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import EngineStats
 from sglang_adaflash.engine.request import Request
@@ -48,20 +49,6 @@ def workloads(per_domain: int) -> dict[str, list]:
     return {"in_domain": in_domain, "math": math, "mixed": mixed}
 
 
-def _floor(ratio: float, length: int, block: int) -> float:
-    """E|tau - E tau| / B of a geometric acceptance with E[tau | L] = ratio * B: the error even a
-    perfectly calibrated prediction makes on one step, since tau itself is random."""
-    target = ratio * block
-    lo, hi = 0.0, 1.0
-    for _ in range(40):  # E[tau | L](a) = sum_{s<L} a^s increases in a
-        a = (lo + hi) / 2
-        lo, hi = (a, hi) if sum(a**s for s in range(length)) < target else (lo, a)
-    a = (lo + hi) / 2
-    probs = [a ** (k - 1) * (1 - a) for k in range(1, length)] + [a ** (length - 1)]
-    mu = sum(k * p for k, p in enumerate(probs, 1))
-    return sum(abs(k - mu) * p for k, p in enumerate(probs, 1)) / block
-
-
 def calibration(outs, block: int) -> dict:
     """|predicted - actual tau/B| after each request's first WARM_STEPS steps: per step (all, and
     drafted steps only, with the floor a calibrated prediction would show on those), and per
@@ -81,7 +68,7 @@ def calibration(outs, block: int) -> dict:
             mine_a.append(a / block)
             if d:
                 drafted_err.append(e)
-                floor.append(_floor(p, v, block))
+                floor.append(step_mae_floor(p, v, block))
         if mine_p:
             per_request.append(abs(sum(mine_p) - sum(mine_a)) / len(mine_p))
 

@@ -100,3 +100,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def step_mae_floor(ratio: float, length: int, block: int) -> float:
+    """E|tau - E tau| / B for geometric acceptance with E[tau | L] = ratio * B.
+
+    The error that even a perfectly calibrated prediction of one step's tau/B makes, because the
+    step's tau is itself random: the floor under any per-step calibration error. The acceptance
+    rate a is found by bisection (E[tau | L](a) = sum_{s < L} a^s grows with a); tau = k with
+    probability a^(k-1) (1 - a) for k < L and a^(L-1) for k = L.
+    """
+    target = ratio * block
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**s for s in range(length)) < target else (lo, a)
+    a = (lo + hi) / 2
+    probs = [a ** (k - 1) * (1 - a) for k in range(1, length)] + [a ** (length - 1)]
+    mu = sum(k * q for k, q in enumerate(probs, 1))
+    return sum(abs(k - mu) * q for k, q in enumerate(probs, 1)) / block
+

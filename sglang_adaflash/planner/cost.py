@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .lengths import PlanCost, plan_lengths, survival_rate
@@ -47,7 +48,7 @@ class OnlineCostModel:
     per_token = c + g, per_draft = d and draft_fixed = e.
     """
 
-    _SCALE = torch.tensor([1.0, 64.0, 1024.0], dtype=torch.float64)  # feature scales (both fits)
+    _SCALE = (1.0, 64.0, 1024.0)  # feature scales (both fits)
 
     def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 1e-3, warmup: int = 8):
         self.decay = decay
@@ -88,28 +89,36 @@ class OnlineCostModel:
 
 
 class _Ridge:
-    """Exponentially weighted ridge regression towards a prior, solved lazily when asked."""
+    """Exponentially weighted ridge regression towards a prior, solved lazily when asked.
+
+    Three features and one solve per step: numpy on the host, where each operation costs about
+    a microsecond, not the several a torch call on a tiny tensor does (the engine pays this on
+    every step, drafting or not).
+    """
 
     def __init__(self, centre, scale, prior_weight, decay, warmup):
-        self.scale, self.decay, self.warmup = scale, decay, warmup
-        self.centre = torch.tensor(centre, dtype=torch.float64) * scale
+        self.scale = np.asarray(scale, dtype=np.float64)
+        self.decay, self.warmup = decay, warmup
+        self.centre = np.asarray(centre, dtype=np.float64) * self.scale
         k = len(centre)
-        self.ridge = prior_weight * torch.eye(k, dtype=torch.float64)
-        self.xtx = torch.zeros(k, k, dtype=torch.float64)
-        self.xty = torch.zeros(k, dtype=torch.float64)
-        self.theta = self.centre.clone()
+        self.ridge = prior_weight * np.eye(k)
+        self.xtx = np.zeros((k, k))
+        self.xty = np.zeros(k)
+        self.theta = self.centre.copy()
         self.seen, self.stale = 0, False
 
     def observe(self, features, seconds: float) -> None:
-        x = torch.tensor(features, dtype=torch.float64) / self.scale
-        self.xtx = self.decay * self.xtx + torch.outer(x, x)
-        self.xty = self.decay * self.xty + x * seconds
+        x = np.asarray(features, dtype=np.float64) / self.scale
+        self.xtx *= self.decay
+        self.xtx += np.outer(x, x)
+        self.xty *= self.decay
+        self.xty += x * seconds
         self.seen += 1
         self.stale = self.seen >= self.warmup  # a handful of steps cannot separate the terms
 
     def solve(self) -> list[float]:
         if self.stale:
-            self.theta = torch.linalg.solve(self.xtx + self.ridge, self.xty + self.ridge @ self.centre)
+            self.theta = np.linalg.solve(self.xtx + self.ridge, self.xty + self.ridge @ self.centre)
             self.stale = False
         return (self.theta / self.scale).tolist()
 

@@ -184,3 +184,22 @@ def test_demo_uses_the_embedded_pair_when_present(tiny_pair, tmp_path, capsys, m
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["workload"]["prompts"] == 4  # two from each domain's file
     assert set(next(r for r in doc["results"] if r["mode"] == "dflash")["per_domain"]) == {"code", "math"}
+
+
+def test_step_mae_floor_matches_a_simulated_geometric_acceptance():
+    import random
+
+    from sglang_adaflash.bench.metrics import step_mae_floor
+
+    assert step_mae_floor(1 / 8, 8, 8) < 1e-9 and step_mae_floor(1.0, 8, 8) < 1e-9
+    a, length, block = 0.7, 8, 8
+    rng = random.Random(0)
+    taus = []
+    for _ in range(200_000):
+        k = 1
+        while k < length and rng.random() < a:
+            k += 1
+        taus.append(k)
+    mu = sum(taus) / len(taus)
+    simulated = sum(abs(t - mu) for t in taus) / len(taus) / block
+    assert abs(step_mae_floor(mu / block, length, block) - simulated) < 2e-3

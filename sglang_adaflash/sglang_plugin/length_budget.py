@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_adaflash.core.spec_metadata import SpecMetadata
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
 from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.planner.lengths import LENGTH_RULES
@@ -31,29 +32,42 @@ NEVER_ACCEPTED = -1
 
 
 @dataclass
-class VerifyPlan:
-    """The verify lengths of one step; the only thing passed from drafting to verification."""
+class VerifyPlan(SpecMetadata):
+    """The verify lengths of one step: the core's step contract (``SpecMetadata``, the same
+    type the reference engine drafts into), with what the plugin adds. SGLang keeps the
+    proposals and does the accepting, so ``draft_ids``/``draft_probs`` stay empty here and
+    ``lengths`` is all that passes from drafting to verification."""
 
-    block_size: int  # B
-    verify_lens_cpu: list[int]  # [bs] L_i in [1, B], slot 0 included
-    ratio: torch.Tensor | None  # [bs] float, the head's E[tau]/B (None: head not used)
+    block_size: int = 0  # B
+    ratio: torch.Tensor | None = None  # [bs] float, the head's E[tau]/B (None: head not used)
     reason: str = "head"  # why these lengths: head | uniform (no head output) | sampling
+
+    @classmethod
+    def of(cls, block_size: int, verify_lens: Sequence[int], ratio: torch.Tensor | None,
+           reason: str) -> VerifyPlan:
+        return cls(torch.tensor([int(n) for n in verify_lens], dtype=torch.long),
+                   block_size=block_size, ratio=ratio, reason=reason)
+
+    @property
+    def verify_lens_cpu(self) -> list[int]:
+        """[bs] L_i in [1, B], slot 0 included (SGLang's ragged layout takes a list)."""
+        return self.lengths.tolist()
 
     @property
     def bs(self) -> int:
-        return len(self.verify_lens_cpu)
+        return self.batch_size
 
     @property
     def num_verify_tokens(self) -> int:
-        return sum(self.verify_lens_cpu)
+        return int(self.lengths.sum())
 
     @property
     def is_uniform(self) -> bool:
-        return all(n == self.block_size for n in self.verify_lens_cpu)
+        return bool((self.lengths == self.block_size).all())
 
     @classmethod
     def uniform(cls, bs: int, block_size: int, reason: str) -> VerifyPlan:
-        return cls(block_size, [block_size] * bs, None, reason)
+        return cls.of(block_size, [block_size] * bs, None, reason)
 
     @classmethod
     def from_lists(cls, verify_lens: Sequence[int], block_size: int) -> VerifyPlan:
@@ -62,7 +76,7 @@ class VerifyPlan:
         bad = [n for n in lens if not 1 <= n <= block_size]
         if bad:
             raise ValueError(f"verify lengths must lie in [1, {block_size}], found {bad}")
-        return cls(block_size, lens, None, "given")
+        return cls.of(block_size, lens, None, "given")
 
 
 def head_ratio(head: AdaptiveLengthHead, draft_hidden: torch.Tensor, bs: int, block_size: int):
@@ -238,4 +252,4 @@ class VerifyPlanner:
             rule=self.rule,
             max_len=max_len,
         )
-        return VerifyPlan(self.block_size, lens, ratio, "head")
+        return VerifyPlan.of(self.block_size, lens, ratio, "head")

@@ -407,7 +407,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         torch.distributed.all_reduce(
             lens, op=torch.distributed.ReduceOp.MIN, group=self._ada_tp_group.cpu_group
         )
-        return lb.VerifyPlan(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
+        return lb.VerifyPlan.of(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
 
     def _accept_block(self, *, candidates, **kwargs):
         step = self.__dict__.get("_ada_step")

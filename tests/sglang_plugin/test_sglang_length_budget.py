@@ -118,6 +118,11 @@ def test_plugin_plans_are_the_engines_on_cpu_tensors():
                                cost=cost)
     plan = planner.plan(hidden.reshape(6 * block, -1), 6, greedy=True, max_len=cap.tolist())
     assert plan.verify_lens_cpu == spec.lengths.tolist()
+    # one step contract for both: the plugin's plan is the core's SpecMetadata, as the engine's is
+    from sglang_adaflash.core.spec_metadata import SpecMetadata
+
+    assert isinstance(plan, SpecMetadata) and isinstance(spec, SpecMetadata)
+    assert torch.equal(plan.lengths, spec.lengths)
     assert len(set(plan.verify_lens_cpu)) > 2  # the rule made real choices here
     paper = lb.VerifyPlanner(drafter.length_head, block, rate=cfg.length_head_rate, min_len=cfg.length_head_min_len,
                              cost=cost, rule="paper")

@@ -36,6 +36,9 @@ from .request import Request, RequestOutput, RequestStats
 
 MODES = ("ar", "dflash", "adaflash")
 _MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
+# A prompt's target features (tokens x captured width) held for a lazy drafter context; above
+# this they are projected at prefill (4M floats: 16 MiB in float32 per request)
+_LAZY_PROMPT_ELEMENTS = 1 << 22
 LENGTH_RULES = ("load_aware", "paper")
 
 
@@ -66,6 +69,7 @@ class SpecBatch(SpecMetadata):
     head_survival: torch.Tensor | None = None  # [len(drafted)] survival read from it
     survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
     draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
+    forced_catch_up_seconds: float = 0.0  # the catch-up of forced rows riding along (timed apart)
 
     def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
@@ -94,6 +98,7 @@ class _Seq:
     since_draft: int = 0  # decode steps since this request was last drafted
     probe_gap: int = 0  # steps between probes while not drafted (backs off while probes fail)
     generator: torch.Generator | None = None  # a seeded sampled request's own random stream
+    prompt_feats: torch.Tensor | None = None  # [P, K*H] prompt features not yet in the drafter's context
 
     @property
     def last_token(self) -> int:
@@ -182,6 +187,7 @@ class SpecEngine:
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
         self._probe_credit = 0.0  # seconds of drafting probes may still spend (see _choose_drafted)
+        self._forced_charge: tuple[float, float, float] | None = None  # see _charge_forced
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -303,7 +309,16 @@ class SpecEngine:
         first = self._sample_rows(logits, joined)
         slots = list(range(offset, offset + len(joined)))
         if self.proposer is not None and aux is not None:
-            self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, slots)
+            feats = self._pad_rows(aux, batch.q_lens)
+            lazy = [j for j, s in enumerate(joined) if self._lazy_prompt(s, feats.shape[-1])]
+            for j in lazy:  # projected when the request is first drafted (_catch_up), if ever
+                joined[j].prompt_feats = feats[j, : len(joined[j].req.prompt_ids)].clone()
+            eager = [j for j in range(len(joined)) if j not in set(lazy)]
+            if len(eager) == len(joined):
+                self.proposer.extend_context(feats, batch.starts, slots)
+            elif eager:
+                index = torch.tensor(eager, dtype=torch.long, device=self.device)
+                self.proposer.extend_context(feats[index], batch.starts[index], [slots[j] for j in eager])
         if self.posterior is not None:
             self.posterior.reset(torch.tensor(slots, device=self.device), [s.req.domain for s in joined])
         for seq, tok in zip(joined, first.tolist()):
@@ -311,6 +326,12 @@ class SpecEngine:
             self._append(seq, [tok])
         self.stats.prefill_tokens += int(batch.q_lens.sum())
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _lazy_prompt(self, seq: _Seq, width: int) -> bool:
+        """Whether a new request's prompt context waits for its first draft. Only where a
+        request may never be drafted (draft-off), and only for prompts whose features are
+        small to keep (they are held per request until then)."""
+        return self._draft_off and len(seq.req.prompt_ids) * width <= _LAZY_PROMPT_ELEMENTS
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """One token per row from logits [n, V], greedy or filtered sampling per request."""
@@ -363,6 +384,7 @@ class SpecEngine:
         result = self.sampler.verify(spec, self._pad_rows(logits, batch.q_lens))
         committed = result.to_lists()
         self._update_context(seqs, spec, aux, batch.q_lens, result)
+        self._charge_forced(spec, int(batch.q_lens.sum()) - len(seqs))
         self._commit(seqs, spec, committed, result)
         t2 = time.perf_counter()
         verified = int(batch.q_lens.sum())
@@ -393,12 +415,21 @@ class SpecEngine:
         if not drafted:
             return SpecBatch.plain(bs, self.device)
         t0 = time.perf_counter()
-        self._catch_up(seqs, drafted)
+        forced_catch_up = 0.0
+        if probes and self._forced_charge is None and self.cost_model is None:
+            # forced rows riding along on planned drafting: their catch-up (up to the whole
+            # probe gap of context) is theirs alone, so it is timed apart and charged to probes
+            self._catch_up(seqs, probes)
+            forced_catch_up = time.perf_counter() - t0
+            self._catch_up(seqs, [i for i in drafted if i not in set(probes)])
+        else:
+            self._catch_up(seqs, drafted)
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
         histories = [seqs[i].req.prompt_ids + seqs[i].output for i in drafted]
         hidden = self.proposer.propose(last, ctx, histories, slots=drafted)  # [n, B, H]
-        spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes)
+        spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes,
+                         forced_catch_up_seconds=forced_catch_up)
         self._verify_lengths(spec, hidden, cap)
         self._proposals(seqs, spec, hidden)
         spec.draft_seconds = time.perf_counter() - t0
@@ -417,6 +448,7 @@ class SpecEngine:
         at their own rows' cost, on a step that drafts anyway).
         """
         can = cap > 1
+        self._forced_charge = None
         if not self._draft_off:
             return can.nonzero().flatten().tolist(), []
         bs = len(seqs)
@@ -443,7 +475,8 @@ class SpecEngine:
             draw, self.block_size, cost.plan_cost(),
             min_len=self._min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
         )
-        chosen = (lens.cpu() > 1) | force
+        planned = lens.cpu() > 1
+        chosen = planned | force
         # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
         force |= chosen & (draw > rate).cpu()
         spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
@@ -454,9 +487,30 @@ class SpecEngine:
             chosen[i] = force[i] = True
         if probes:
             self._probe_credit -= spend
+        if self.cost_model is None and bool(chosen.any()) and not bool((planned & ~force).any()):
+            # Only forced rows (first reads, probes) draft: the whole drafting is theirs. What it
+            # really costs (catch-up of their pending context, the forward, the head, planning)
+            # is charged after the step in place of this estimate (see _charge_forced).
+            self._forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs)
         drafted = chosen.nonzero().flatten().tolist()
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         return drafted, [i for i in drafted if bool(force[i])]
+
+    def _charge_forced(self, spec: SpecBatch, proposals: int) -> None:
+        """A step that drafted only forced rows pays its measured drafting time, and the verify
+        slots of their proposals, from the probe credit (less what the plan already took); on a
+        step that drafts anyway, forced rows pay their rows' price and their measured catch-up.
+        So probes and first reads together keep to `probe_share` of the time as it is measured,
+        not as the cost model guessed it. The debt is bounded, so a long cold start delays
+        probes for a while, not for good. With a fixed cost model (given, not measured) its
+        prices are the only currency, and this charges nothing."""
+        if self._forced_charge is None or not spec.drafted:
+            self._probe_credit -= spec.forced_catch_up_seconds
+            return
+        paid, per_token, bound = self._forced_charge
+        self._forced_charge = None
+        cost = spec.draft_seconds + per_token * proposals
+        self._probe_credit = max(self._probe_credit - (cost - paid), -bound)
 
     def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:
         """Verify lengths for the drafted rows (the others keep 1), from the head when adaptive."""
@@ -511,6 +565,14 @@ class SpecEngine:
         per-slot buffer instead of projecting them into the drafter's context every step; the
         backlog is projected in one go when the row is drafted again (or the buffer is full).
         """
+        cold = [i for i in rows if seqs[i].prompt_feats is not None]
+        if cold:  # the prompt's context first (positions 0..P-1); pending tokens follow it
+            width = max(seqs[i].prompt_feats.shape[0] for i in cold)
+            feats = seqs[cold[0]].prompt_feats.new_zeros(len(cold), width, seqs[cold[0]].prompt_feats.shape[-1])
+            for j, i in enumerate(cold):
+                feats[j, : seqs[i].prompt_feats.shape[0]] = seqs[i].prompt_feats
+                seqs[i].prompt_feats = None
+            self.proposer.extend_context(feats, torch.zeros(len(cold), dtype=torch.long, device=self.device), cold)
         late = [i for i in rows if seqs[i].pending]
         if not late or self._pending is None:
             return

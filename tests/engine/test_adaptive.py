@@ -285,3 +285,64 @@ def test_probing_spends_at_most_its_share(target, drafter, share):
     assert fraction <= share * 1.05, fraction
     eager, _ = spent(1.0)
     assert eager > 0.05 * 1.05, eager
+
+
+def test_forced_drafting_is_charged_what_it_measured(target, drafter):
+    """With the online cost model, a step that drafted only forced rows pays its measured
+    drafting time (and its proposals' verify slots) less what the plan took; a step where
+    forced rows rode along pays their measured catch-up; the debt is bounded."""
+    from sglang_adaflash.engine.engine import SpecBatch
+
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64, seed=0)
+    assert eng.cost_model is None  # measured prices
+    spec = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0], probes=[0], draft_seconds=0.010)
+    eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0)
+    eng._charge_forced(spec, proposals=3)
+    assert eng._probe_credit == pytest.approx(0.020 - (0.010 + 0.003 - 0.004))
+    assert eng._forced_charge is None
+    ride = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0, 1], probes=[1],
+                     draft_seconds=0.05, forced_catch_up_seconds=0.002)
+    eng._charge_forced(ride, proposals=9)
+    assert eng._probe_credit == pytest.approx(0.011 - 0.002)
+    eng._forced_charge = (0.0, 0.0, 0.05)
+    eng._charge_forced(SpecBatch(torch.ones(1, dtype=torch.long), drafted=[0], draft_seconds=9.0), 1)
+    assert eng._probe_credit == -0.05  # bounded debt
+
+
+def test_a_lazy_prompt_context_equals_the_eager_one(target, drafter, monkeypatch):
+    """Under draft-off a new request's prompt features wait for its first draft. Once caught up,
+    the drafter's context of every request equals that of an engine that projected the prompt
+    at prefill, position by position (a wrong context would only lower acceptance, which no
+    T=0 equality test can see). Requests join at different steps, of different lengths."""
+    import sglang_adaflash.engine.engine as engine_mod
+
+    def contexts(lazy: bool):
+        if not lazy:
+            monkeypatch.setattr(engine_mod, "_LAZY_PROMPT_ELEMENTS", 0)
+        eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=5, max_seq_len=160,
+                         cost_model=DEAR_DRAFTS, probe_every=3)
+        prompts = _prompts(5, seed=31)
+        for i, p in enumerate(prompts[:3]):
+            eng.submit(Request(p, SamplingParams(max_new_tokens=40), f"r{i}", "math"))
+        for step in range(12):
+            if step == 4:
+                for i, p in enumerate(prompts[3:], 3):
+                    eng.submit(Request(p, SamplingParams(max_new_tokens=40), f"r{i}", "math"))
+            eng.step()
+        lazy_rows = sum(s.prompt_feats is not None for s in eng.running)
+        eng._catch_up(eng.running, list(range(len(eng.running))))
+        cache = eng.proposer.cache
+        out = {}
+        for i, s in enumerate(eng.running):
+            out[s.req.request_id] = [cache.view(layer, 1, s.cache_len, offset=i)
+                                     for layer in range(len(cache.k))]
+        monkeypatch.undo()
+        return out, lazy_rows
+
+    lazy, waiting = contexts(True)
+    eager, none_waiting = contexts(False)
+    assert waiting > 0 and none_waiting == 0, "some prompt must still have been waiting"
+    assert lazy.keys() == eager.keys() and len(lazy) >= 3
+    for rid in lazy:
+        for (lk, lv), (ek, ev) in zip(lazy[rid], eager[rid]):
+            assert torch.allclose(lk, ek, atol=1e-6) and torch.allclose(lv, ev, atol=1e-6), rid

@@ -16,7 +16,7 @@ from ..launch.engine_factory import model_dir_arg
 MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
 DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter
-SERVE_MODES = ("ar", "dflash", "adaflash")  # the server and the demo loop do not run d2sd yet
+SERVE_MODES = ("ar", "dflash", "adaflash")  # the demo loop's serving modes (it does not run d2sd yet)
 
 
 def _positive_int(text: str) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import CLIError
 
-MODES = ("ar", "dflash", "adaflash")
+MODES = ("ar", "dflash", "adaflash", "d2sd")
 DEFAULT_MAX_SEQ_LEN = 2048
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
                    help="hot-reload each new drafters/latest (the default when the drafter comes from --home unpinned)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
-    s.add_argument("--mode", choices=MODES, default="adaflash", help="decoding mode (default adaflash)")
+    s.add_argument("--mode", choices=MODES, default="adaflash",
+                   help="decoding mode (default adaflash; d2sd needs --recovery-drafter)")
     s.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                    help="run target and drafter in this dtype (default: the target's own)")
@@ -70,6 +71,9 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
     s.add_argument("--no-metrics", action="store_true", help="no /metrics")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from ..d2sd.cli import add_d2sd_args
+
+    add_d2sd_args(s)
     return s
 
 
@@ -150,6 +154,7 @@ def build_server(args):
     import torch
 
     from ..core.sampling import SamplingParams
+    from ..d2sd.cli import attach_recovery, options_from_args
     from ..engine.request import Request
     from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
     from ..launch.loading import load_pair
@@ -170,6 +175,8 @@ def build_server(args):
     drafter_dir, version, pinned, follow = resolve_drafter(args, home)
     pair = load_pair(args.target, drafter_dir, dtype=args.dtype, device=args.device,
                      need_drafter=args.mode != "ar")
+    # d2sd: the recovery drafter stays as loaded; hot reload swaps the first drafter in place
+    attach_recovery(pair, options_from_args(args, [args.mode]))
     limit = getattr(pair.target.config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN
     max_seq = args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, int(limit))
     engine = make_engine(pair, args.mode, args.max_batch_size, max_seq, args.seed)

@@ -58,7 +58,8 @@ def make_engine(
 ):
     """An engine whose caches fit: slots for at most the requests there are, and a clear refusal
     (CLIError) when even those would not fit in the device's free memory."""
-    from ..engine.engine import SpecEngine, kv_cache_bytes
+    from ..engine.engine import SpecEngine
+    from ..engine.sizing import kv_cache_bytes
 
     limit = getattr(pair.target.config, "max_position_embeddings", None)
     if limit:

@@ -5,8 +5,9 @@ import math
 import pytest
 
 from sglang_adaflash.core.sampling import SamplingParams
-from sglang_adaflash.engine.engine import SpecEngine, kv_cache_bytes
+from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
+from sglang_adaflash.engine.sizing import kv_cache_bytes
 from sglang_adaflash.planner.cost import StepCostModel
 
 GOOD = [[5, 6, 7], [9, 1], [3, 3, 3, 3]]

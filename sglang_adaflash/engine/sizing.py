@@ -1,0 +1,81 @@
+"""Sizing and pricing an engine: the bytes its caches take, and the step-cost profile the
+load-aware rule starts from before it has measured any step of its own."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..drafter.model import DFlashDrafter
+from ..planner.cost import StepCostModel
+from ..target.hf_target import HFTarget, TargetBatch
+from .proposer import DFlashProposer
+
+if TYPE_CHECKING:
+    from .engine import SpecEngine
+
+
+def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str, max_batch_size: int, max_seq_len: int) -> int:
+    """What SpecEngine(...) with these settings allocates for its slot caches, up front.
+
+    The caches are allocated whole at construction, so a caller can refuse settings that would
+    not fit before torch tries (and the machine swaps or the process is killed).
+    """
+    capacity = max_seq_len + (drafter.config.block_size if drafter is not None else 1) + 1  # as __init__
+
+    def cache(layers, kv_heads, head_dim, dtype) -> int:
+        return 2 * layers * max_batch_size * kv_heads * capacity * head_dim * dtype.itemsize
+
+    total = cache(target.num_layers, target.config.num_key_value_heads, target.head_dim, target.dtype)
+    if mode != "ar" and drafter is not None:
+        cfg = drafter.config
+        total += cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, drafter.fc.weight.dtype)
+    return total
+
+
+def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> StepCostModel:
+    """Fit time = fixed + per_token * T for a ragged verify forward, and the drafter's costs.
+
+    Runs on spare cache slots' worth of scratch data; called once, lazily, by adaflash mode.
+    """
+    target = engine.target
+    scratch = target.new_cache(1, max(sizes) + 1)
+    times = []
+    for t in sizes:
+        ids = torch.zeros(1, t, dtype=torch.long, device=engine.device)
+        batch = TargetBatch(ids, torch.zeros(1, dtype=torch.long, device=engine.device), torch.tensor([t], device=engine.device))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            target.forward(batch, scratch)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    per_token = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 1e-9)
+    fixed = max(times[0] - per_token * sizes[0], 0.0)
+    per_draft = draft_fixed = 0.0
+    if isinstance(engine.proposer, DFlashProposer):
+        # drafting: a part paid once when anyone drafts and a part per drafted request (fitted
+        # from two batch sizes); its LM head runs per proposal
+        draft_times, wide = [], min(8, engine.max_batch_size)
+        for n in (1, wide):
+            zero = torch.zeros(n, dtype=torch.long, device=engine.device)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                hidden = engine.proposer.propose(zero, zero, None, slots=list(range(n)))
+                if engine.drafter.length_head is not None:
+                    engine.drafter.length_head(hidden)
+                best = min(best, time.perf_counter() - t0)
+            draft_times.append(best)
+        per_draft = max((draft_times[1] - draft_times[0]) / max(wide - 1, 1), 0.0)
+        draft_fixed = max(draft_times[0] - per_draft, 0.0)
+        head_times = []
+        for n in (4, 64):
+            rows = torch.zeros(n, dtype=torch.long, device=engine.device)
+            t0 = time.perf_counter()
+            engine.proposer.proposal_logits(hidden[:1], rows, rows + 1)
+            head_times.append(time.perf_counter() - t0)
+        per_token += max((head_times[1] - head_times[0]) / 60, 0.0)
+    return StepCostModel(fixed=fixed, per_token=per_token, per_draft=per_draft, draft_fixed=draft_fixed)

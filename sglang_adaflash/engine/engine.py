@@ -314,7 +314,8 @@ class SpecEngine:
             lazy = [j for j, s in enumerate(joined) if self._lazy_prompt(s, feats.shape[-1])]
             for j in lazy:  # projected when the request is first drafted (_catch_up), if ever
                 joined[j].prompt_feats = feats[j, : len(joined[j].req.prompt_ids)].clone()
-            eager = [j for j in range(len(joined)) if j not in set(lazy)]
+            waiting = set(lazy)
+            eager = [j for j in range(len(joined)) if j not in waiting]
             if len(eager) == len(joined):
                 self.proposer.extend_context(feats, batch.starts, slots)
             elif eager:
@@ -422,7 +423,8 @@ class SpecEngine:
             # probe gap of context) is theirs alone, so it is timed apart and charged to probes
             self._catch_up(seqs, probes)
             forced_catch_up = time.perf_counter() - t0
-            self._catch_up(seqs, [i for i in drafted if i not in set(probes)])
+            forced = set(probes)
+            self._catch_up(seqs, [i for i in drafted if i not in forced])
         else:
             self._catch_up(seqs, drafted)
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
@@ -596,7 +598,8 @@ class SpecEngine:
             starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
             self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
             spec.draft_seconds += time.perf_counter() - t0
-        idle = [i for i in range(len(seqs)) if i not in set(spec.drafted)]
+        drafted = set(spec.drafted)
+        idle = [i for i in range(len(seqs)) if i not in drafted]
         if not idle:
             return
         if self._pending is None:

@@ -91,10 +91,14 @@ class OnlineCostModel:
 class _Ridge:
     """Exponentially weighted ridge regression towards a prior, solved lazily when asked.
 
-    Three features and one solve per step: numpy on the host, where each operation costs about
-    a microsecond, not the several a torch call on a tiny tensor does (the engine pays this on
-    every step, drafting or not).
+    Three features and a small solve: numpy on the host, where each operation costs about a
+    microsecond, not the several a torch call on a tiny tensor does (the engine pays this on
+    every step, drafting or not). The solve is redone after every `refit_every` new
+    observations, not after each: one step moves an exponentially weighted fit very little.
     """
+
+    refit_every = 4
+
 
     def __init__(self, centre, scale, prior_weight, decay, warmup):
         self.scale = np.asarray(scale, dtype=np.float64)
@@ -105,7 +109,8 @@ class _Ridge:
         self.xtx = np.zeros((k, k))
         self.xty = np.zeros(k)
         self.theta = self.centre.copy()
-        self.seen, self.stale = 0, False
+        self.seen, self.stale, self._solved_at = 0, False, -self.refit_every
+        self._out = (self.theta / self.scale).tolist()
 
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64) / self.scale
@@ -117,10 +122,11 @@ class _Ridge:
         self.stale = self.seen >= self.warmup  # a handful of steps cannot separate the terms
 
     def solve(self) -> list[float]:
-        if self.stale:
+        if self.stale and self.seen - self._solved_at >= self.refit_every:
             self.theta = np.linalg.solve(self.xtx + self.ridge, self.xty + self.ridge @ self.centre)
-            self.stale = False
-        return (self.theta / self.scale).tolist()
+            self.stale, self._solved_at = False, self.seen
+            self._out = (self.theta / self.scale).tolist()
+        return self._out
 
 
 def choose_verify_lengths(

@@ -24,7 +24,10 @@ def _start(pair, prompts, *extra):
            "--drafter", str(pair.drafter_dir), "--mode", "ar", "--prompts", str(prompts), "--max-batch-size", "1",
            "--max-new-tokens", "64", "--ignore-eos", "--quiet", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "0"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it: a suite started in the background (`cmd &`, nohup) passes
+    # on an ignored SIGINT, which Python then leaves ignored, and Ctrl-C could not be tested
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     watchdog = threading.Timer(180, proc.kill)  # a hung child must not hang the suite
     watchdog.start()
     return proc, watchdog

@@ -206,7 +206,8 @@ def run_round(args, par, should_stop=None) -> dict | None:
     """
     import torch
 
-    from training_job.opd.train import Stopped, train_head, train_opd
+    from training_job.opd.calibrate import calibrate_head
+    from training_job.opd.train import Stopped, clip_sequence, train_head, train_opd
 
     home = Path(args.home)
     distill_dir = home / "distill"
@@ -259,6 +260,11 @@ def run_round(args, par, should_stop=None) -> dict | None:
     if par.rank != 0:
         return None
     head = train_head(target, drafter, seqs, cfg, work, pad_id=pad, progress=not args.quiet)
+    if head is not None and args.head_calibration:
+        head["calibration"] = calibrate_head(
+            target, drafter, [clip_sequence(s.as_sequence(), cfg.max_seq_len) for s in held],
+            pad_id=pad, anchors_per_seq=cfg.anchors_per_seq, batch_size=cfg.batch_size,
+            seed=cfg.seed)
     ev = evaluate(work, args, target, drafter, home, parent, held, stops, device)
     gate = ev["gate"]
     if args.require_gain is not None and not gate["passed"]:

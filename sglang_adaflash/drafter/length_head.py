@@ -27,11 +27,22 @@ class AdaptiveLengthHead(nn.Module):
 
     def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
         # block_hidden: [bs, B, H] -> ratio [bs]
+        return torch.sigmoid(self.logit(block_hidden)).float()
+
+    def logit(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """The pre-sigmoid score [bs]: what a recalibration rescales (see `recalibrate`)."""
         x = block_hidden.to(self.down.weight.dtype)
         feat = torch.cat([x.mean(dim=1), x[:, -1]], dim=-1)  # [bs, 2H]
         h = F.silu(self.down(feat))
         h = h + self.res(h)
-        return torch.sigmoid(self.out(h)).squeeze(-1).float()
+        return self.out(h).squeeze(-1)
+
+    @torch.no_grad()
+    def recalibrate(self, scale: float, shift: float) -> None:
+        """ratio <- sigmoid(scale * logit + shift), folded into `out`: the checkpoint keeps its
+        layout, so a recalibrated head loads (and hot-reloads) wherever the old one did."""
+        self.out.weight.mul_(scale)
+        self.out.bias.mul_(scale).add_(shift)
 
 
 def candidate_lengths(

@@ -120,6 +120,8 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     assert latest_version(home) == "v000002" and manifest["parent"] == "v000001"
     assert manifest["training"]["traffic"]["new"] == N_TRAFFIC + N_SGLANG
     assert manifest["training"]["length_head"]["steps"] == 2
+    calibration = manifest["training"]["length_head"]["calibration"]  # on the held-out slice
+    assert calibration["blocks"] > 0 and isinstance(calibration["applied"], bool)
     assert manifest["eval"]["records_by_domain"]
     assert report["target"]["sha256"] == target_fingerprint(pair.target_dir)["config_digest"]
     # the new version has the parent's shapes (hot reload refuses anything else)

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--head-steps", type=int, default=50,
                    help="length-head refit steps after the drafter (default 50; 0 = keep it)")
     t.add_argument("--head-lr", type=float, default=2e-4)
+    t.add_argument("--head-calibration", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the refit, rescale the head's score on the round's held-out "
+                        "records, which the drafter did not train on (default on)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ckpt-every", type=int, default=20, help="checkpoint every N steps (default 20)")
     d = p.add_argument_group("data and evaluation")

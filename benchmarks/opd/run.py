@@ -157,6 +157,7 @@ def evaluate(version_dir: Path, samples, threads: int, new_tokens: int = 64) -> 
     t0 = time.time()
     tot: dict[str, list[int]] = {d: [0, 0] for d in DOMAINS}
     pairs: dict[str, list[tuple[float, float]]] = {d: [] for d in DOMAINS}
+    per_request: dict[str, list[tuple[float, float]]] = {d: [] for d in DOMAINS}
     unpaired = {d: 0 for d in DOMAINS}
     with torch.no_grad():
         for out in engine.run(reqs):
@@ -170,9 +171,12 @@ def evaluate(version_dir: Path, samples, threads: int, new_tokens: int = 64) -> 
             # request the block is cut to what is left, which caps the actual tau).
             drafted = [i for i, n in enumerate(st.verify_lens) if n > 1]
             if len(drafted) == len(st.head_ratios):
-                pairs[out.domain] += [(p, st.accept_lens[i] / block)
-                                      for p, i in zip(st.head_ratios, drafted)
-                                      if st.verify_lens[i] == block]
+                mine = [(p, st.accept_lens[i] / block) for p, i in zip(st.head_ratios, drafted)
+                        if st.verify_lens[i] == block]
+                pairs[out.domain] += mine
+                if mine:  # the request's mean prediction against its mean outcome
+                    per_request[out.domain].append((sum(p for p, _ in mine) / len(mine),
+                                                    sum(a for _, a in mine) / len(mine)))
             else:
                 unpaired[out.domain] += 1
     res = {"tau": {d: round(t / s, 3) for d, (t, s) in tot.items() if s},
@@ -193,6 +197,12 @@ def evaluate(version_dir: Path, samples, threads: int, new_tokens: int = 64) -> 
                        "mean_predicted": round(sum(pred) / len(ps), 4),
                        "mean_actual": round(sum(act) / len(ps), 4),
                        "requests_not_paired": unpaired[d]}
+            rq = per_request[d]
+            if len(rq) >= 2:
+                rr = pearson([p for p, _ in rq], [a for _, a in rq])
+                head[d]["per_request"] = {
+                    "requests": len(rq), "pearson": None if rr is None else round(rr, 4),
+                    "mae": round(sum(abs(p - a) for p, a in rq) / len(rq), 4)}
     res["length_head"] = head
     return res
 
@@ -379,6 +389,8 @@ def goals(res: dict) -> dict:
         "max_round_cpu_seconds": max(r["round_cpu_seconds"] for r in res["rounds"]),
         "head_math_pearson": head.get("pearson"), "head_math_mae": head.get("mae"),
         "head_math_mae_floor": head.get("mae_floor"),
+        # the same figures over requests (a request's mean prediction against its mean outcome)
+        "head_math_per_request": head.get("per_request"),
     }
     # "within 5% of the start" read as: no more than 5% below it (a gain is not forgetting)
     out["code_within_5pct"] = out["code_ratio"] >= 0.95

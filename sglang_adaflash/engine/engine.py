@@ -76,6 +76,8 @@ class SpecBatch(SpecMetadata):
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
         if not adaptive:
             return None
+        if not self.drafted:
+            return [1.0 / block_size] * len(self.lengths)
         out = torch.full((len(self.lengths),), 1.0 / block_size)
         if self.drafted:
             rows = torch.tensor(self.drafted, dtype=torch.long)
@@ -410,12 +412,13 @@ class SpecEngine:
 
     def _draft_rows(self, seqs: list[_Seq]) -> SpecBatch:
         bs = len(seqs)
-        cap = torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long)
         if self.proposer is None:
             return SpecBatch.plain(bs, self.device)
-        drafted, probes = self._choose_drafted(seqs, cap)
+        caps = [min(self.block_size, s.remaining) for s in seqs]
+        drafted, probes = self._choose_drafted(seqs, caps)
         if not drafted:
             return SpecBatch.plain(bs, self.device)
+        cap = torch.tensor(caps, dtype=torch.long)
         t0 = time.perf_counter()
         forced_catch_up = 0.0
         if probes and self._forced_charge is None and self.cost_model is None:
@@ -438,7 +441,7 @@ class SpecEngine:
         spec.draft_seconds = time.perf_counter() - t0
         return spec
 
-    def _choose_drafted(self, seqs: list[_Seq], cap: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
         """Rows to draft this step, and which of them are forced (first reads, probes).
 
         A row whose expected accepted tokens do not pay for its share of the drafter forward
@@ -450,23 +453,32 @@ class SpecEngine:
         wait until the credit covers them and then share one drafter forward (or ride along,
         at their own rows' cost, on a step that drafts anyway).
         """
-        can = cap > 1
         self._forced_charge = None
         if not self._draft_off:
-            return can.nonzero().flatten().tolist(), []
+            return [i for i, c in enumerate(caps) if c > 1], []
+        # This runs on every step, and on most steps of a batch that does not pay for drafting it
+        # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
         bs = len(seqs)
         cost = self._cost(bs)
         row = cost.per_draft + cost.per_token * max(self._min_len - 1, 1)  # one probe row's price
         self._probe_credit = min(self._probe_credit + self.probe_share * (cost.fixed + cost.per_token * bs),
                                  cost.draft_fixed + row * bs)
-        due = [i for i, s in enumerate(seqs) if bool(can[i]) and s.since_draft >= max(s.probe_gap, self.probe_every)]
-        affordable = bool(due) and self._probe_credit >= cost.draft_fixed + row
+        gap = self.probe_every
+
+        def due_rows() -> list[int]:
+            return [i for i, s in enumerate(seqs) if caps[i] > 1 and s.since_draft >= max(s.probe_gap, gap)]
+
+        due = due_rows() if self._probe_credit >= cost.draft_fixed + row else None
         # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
         # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
-        quiet = self._quiet_plan == bs and not affordable
-        if quiet and all(s.since_draft > 0 for s in seqs) and self._quiet_steps < 8:
+        quiet = self._quiet_plan == bs and not due
+        if quiet and self._quiet_steps < 8 and all(s.since_draft > 0 for s in seqs):
             self._quiet_steps += 1
             return [], []
+        if due is None:
+            due = due_rows()
+        cap = torch.tensor(caps, dtype=torch.long)
+        can = cap > 1
         slots = torch.arange(bs, device=self.device)
         rate, known = self.posterior.estimate(slots)
         force = ~known.cpu() & can  # no history at all: read the drafter once
@@ -598,19 +610,23 @@ class SpecEngine:
             starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
             self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
             spec.draft_seconds += time.perf_counter() - t0
-        drafted = set(spec.drafted)
-        idle = [i for i in range(len(seqs)) if i not in drafted]
-        if not idle:
-            return
+            drafted = set(spec.drafted)
+            idle = [i for i in range(len(seqs)) if i not in drafted]
+            if not idle:
+                return
+            rows = torch.tensor(idle, dtype=torch.long, device=self.device)
+        else:  # a plain step (most steps of a batch that does not pay for drafting): every row
+            idle = range(len(seqs))
+            rows = torch.arange(len(seqs), device=self.device)
         if self._pending is None:
             self._pending = feats.new_zeros(self.max_batch_size, _MAX_PROBE_GAP * self.probe_every + 1, feats.shape[-1])
-        rows = torch.tensor(idle, dtype=torch.long, device=self.device)
-        cols = torch.tensor([seqs[i].pending for i in idle], dtype=torch.long, device=self.device)
+        pending = [seqs[i].pending for i in idle]
+        cols = torch.tensor(pending, dtype=torch.long, device=self.device)
         self._pending[rows, cols] = feats[rows, 0]  # an undrafted row commits exactly one token
         for i in idle:
             seqs[i].pending += 1
-        full = [i for i in idle if seqs[i].pending >= self._pending.shape[1]]
-        self._catch_up(seqs, full)
+        if max(pending) + 1 >= self._pending.shape[1]:
+            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[1]])
 
     def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor) -> None:
         """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.

@@ -112,3 +112,43 @@ def test_online_cost_model_prices_drafting_from_its_own_timings():
     # control: drafting folded into the verify time is charged to the batch and the tokens
     bad = whole.model(32)
     assert abs(bad.draft_fixed - 0.0015) > 5e-4 or abs(bad.per_draft - 0.0004) > 1e-4, bad
+
+
+def test_online_cost_model_keeps_up_with_a_cost_that_moves_while_it_is_asked_every_step():
+    """The model is asked every step and its answer is cached between re-solves: when the
+    machine slows down (every step doubles in price) the cached answer must follow within a
+    re-solve, and its fit must equal a direct exponentially weighted ridge solve (numpy, the
+    obvious reference) of the same observations. Control: the answer cached before the change
+    is far from the truth afterwards."""
+    import numpy as np
+
+    from sglang_adaflash.planner.cost import OnlineCostModel
+
+    prior = StepCostModel(fixed=0.01, per_token=0.001)
+    model = OnlineCostModel(prior)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = [], []
+    before = None
+    for step in range(600):
+        slow = 2.0 if step >= 300 else 1.0
+        bs = int(torch.randint(1, 65, (1,), generator=g))
+        tokens = bs * int(torch.randint(1, 17, (1,), generator=g))
+        seconds = slow * (0.002 + 0.0005 * bs + 0.0001 * tokens)
+        model.observe(bs, tokens, seconds, drafted=0)
+        xs.append([1.0, bs / 64.0, tokens / 1024.0])
+        ys.append(seconds)
+        fit = model.model(32)  # asked every step, as the engine does
+        if step == 299:
+            before = fit
+    n = len(xs)
+    w = np.array([0.97 ** (n - 1 - i) for i in range(n)])
+    x, y = np.array(xs), np.array(ys)
+    centre = np.array([prior.fixed, 0.0, prior.per_token * 1024.0])
+    ridge = 1e-3 * np.eye(3)
+    theta = np.linalg.solve((x * w[:, None]).T @ x + ridge, (x * w[:, None]).T @ y + ridge @ centre)
+    a, b, c = theta / np.array([1.0, 64.0, 1024.0])
+    # the last re-solve happened within refit_every (4) steps: close to the reference
+    assert abs(fit.per_token - c) < 2e-6 and abs(fit.fixed - (a + b * 32)) < 2e-4, (fit, theta)
+    truth = 2.0 * (0.002 + 0.0005 * 32)
+    assert abs(fit.fixed - truth) < 0.1 * truth, fit
+    assert abs(before.fixed - truth) > 0.3 * truth, before  # control: the stale answer is wrong

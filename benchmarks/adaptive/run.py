@@ -98,6 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--extra-pairs", type=int, default=4,
+                    help="after the repeats, this many more ar/adaflash runs back to back (order "
+                         "alternating): the paired ratio is the median of adaflash/ar over these "
+                         "pairs, which a machine whose speed drifts between runs moves least")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     conc = [int(c) for c in args.concurrency.split(",")]
@@ -120,6 +124,19 @@ def main(argv=None) -> int:
                                 f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
 
             engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
+
+            def timed(e, keep=False, requests=requests):
+                """One run: (wall tok/s, CPU tok/s, output ids[, outputs])."""
+                e.stats = EngineStats()
+                if e.posterior is not None:  # cold calibration: no history carried over
+                    e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs = e.run(requests())
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                ids = [o.output_ids for o in outs]
+                done = sum(len(x) for x in ids)
+                return (done / wall, done / cpu, ids, outs) if keep else (done / wall, done / cpu, ids)
+
             for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
                 e.run(requests()[: min(2, n)])
             tput = {m: [] for m in modes}
@@ -128,16 +145,9 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 order = modes[rep % len(modes):] + modes[: rep % len(modes)]
                 for m in order:
-                    e = engines[m]
-                    e.stats = EngineStats()
-                    if e.posterior is not None:  # cold calibration: no history carried over
-                        e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    outs = e.run(requests())
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    ids = [o.output_ids for o in outs]
-                    tput[m].append(sum(len(x) for x in ids) / wall)
-                    cput[m].append(sum(len(x) for x in ids) / cpu)
+                    wall_tput, cpu_tput, ids, outs = timed(engines[m], keep=True)
+                    tput[m].append(wall_tput)
+                    cput[m].append(cpu_tput)
                     if m == "ar":
                         first.setdefault("ar", ids)
                     elif "ar" in first and ids != first["ar"]:
@@ -153,6 +163,18 @@ def main(argv=None) -> int:
                             "drafted_share": drafted / steps if m == "adaflash" else (1.0 if m == "dflash" else 0.0),
                             "calibration": calibration(outs, block) if m == "adaflash" else None,
                         }
+            pairs = []  # adaflash/ar of runs back to back
+            if "ar" in modes and "adaflash" in modes:
+                for k in range(args.extra_pairs):
+                    got = {}
+                    for m in (("ar", "adaflash") if k % 2 == 0 else ("adaflash", "ar")):
+                        got[m] = timed(engines[m])
+                        tput[m].append(got[m][0])
+                        cput[m].append(got[m][1])
+                        if got[m][2] != first.get("ar", got[m][2]):
+                            equality_ok = False
+                            print(f"T=0 MISMATCH: {wname} c={c} {m} extra pair {k}", file=sys.stderr)
+                    pairs.append(got["adaflash"][1] / got["ar"][1])
             med = {m: statistics.median(tput[m]) for m in modes}
             cmed = {m: statistics.median(cput[m]) for m in modes}
             best = max(med.get("ar", 0.0), med.get("dflash", 0.0))
@@ -164,8 +186,13 @@ def main(argv=None) -> int:
                 if m == "adaflash" and best:
                     row["vs_best_fixed"] = med[m] / best
                     row["cpu_vs_best_fixed"] = cmed[m] / cbest
+                    if pairs:  # max(ar, dflash) is ar wherever dflash is slower
+                        row["paired_vs_ar"] = statistics.median(pairs)
+                        row["paired_samples"] = pairs
                 rows.append(row)
             line = "  ".join(f"{m} {med[m]:7.1f}/{cmed[m]:7.1f}" for m in modes)
+            if pairs:
+                line += f"  paired ada/ar {statistics.median(pairs):.3f}"
             extra = ""
             if "adaflash" in modes and best:
                 cal = first["adaflash_stats"]["calibration"]

@@ -37,6 +37,8 @@ from .sizing import profile_step_cost
 
 MODES = ("ar", "dflash", "adaflash")
 _MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
+_FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see _first_reads)
+_QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
 # A prompt's target features (tokens x captured width) held for a lazy drafter context; above
 # this they are projected at prefill (4M floats: 16 MiB in float32 per request)
 _LAZY_PROMPT_ELEMENTS = 1 << 22
@@ -128,7 +130,7 @@ class SpecEngine:
         calibrate: bool = True,
         draft_off: bool = True,
         probe_every: int = 16,
-        probe_share: float = 0.03,
+        probe_share: float = 0.02,
         explore: bool = False,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
@@ -472,7 +474,7 @@ class SpecEngine:
         # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
         # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
         quiet = self._quiet_plan == bs and not due
-        if quiet and self._quiet_steps < 8 and all(s.since_draft > 0 for s in seqs):
+        if quiet and self._quiet_steps < _QUIET_REPLAN and all(s.since_draft > 0 for s in seqs):
             self._quiet_steps += 1
             return [], []
         if due is None:
@@ -481,7 +483,7 @@ class SpecEngine:
         can = cap > 1
         slots = torch.arange(bs, device=self.device)
         rate, known = self.posterior.estimate(slots)
-        force = ~known.cpu() & can  # no history at all: read the drafter once
+        force = self._first_reads(~known.cpu() & can)  # no history at all: read the drafter once
         if self.explore:  # plan with posterior draws: uncertain requests get tried
             draw = self.posterior.sample(slots, self._explore_gen)
         else:
@@ -510,6 +512,26 @@ class SpecEngine:
         drafted = chosen.nonzero().flatten().tolist()
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         return drafted, [i for i in drafted if bool(force[i])]
+
+    def _first_reads(self, cold: torch.Tensor) -> torch.Tensor:
+        """cold [bs] bool (rows with no history, own or domain's) -> the rows to read now.
+
+        At most _FIRST_READS cold rows of each domain read the drafter in one step. The others
+        plan as drafting nothing for one step and then start from what their domain's reads
+        showed: a cold wave of 64 requests of a domain the drafter fails on pays four drafter
+        rows, not 64 (a step drafting all 64 costs several plain steps on the embedded pair).
+        """
+        rows = cold.nonzero().flatten().tolist()
+        if len(rows) <= _FIRST_READS:
+            return cold
+        domains = self.posterior.slot_domain[: cold.shape[0]].tolist()
+        taken: dict[int, int] = {}
+        for i in rows:
+            if taken.get(domains[i], 0) >= _FIRST_READS:
+                cold[i] = False
+            else:
+                taken[domains[i]] = taken.get(domains[i], 0) + 1
+        return cold
 
     def _charge_forced(self, spec: SpecBatch, proposals: int) -> None:
         """A step that drafted only forced rows pays its measured drafting time, and the verify

@@ -197,6 +197,31 @@ def test_failing_drafts_are_switched_off_losslessly(target, drafter):
     assert all(all(o.stats.drafted[:-1]) for o in always)  # the last token cannot be drafted
 
 
+@pytest.mark.parametrize("limit", [None, 100])
+def test_a_cold_wave_of_one_domain_reads_the_drafter_four_times_not_once_each(target, drafter, limit, monkeypatch):
+    """Twelve new requests of one domain with a drafter that accepts nothing: the first step
+    drafts at most four of them, the second drafts none (they start from the domain's
+    evidence), and the output is still ar's. Control (limit=100, every cold request reads):
+    all twelve draft in the first step."""
+    import sglang_adaflash.engine.engine as engine_mod
+
+    if limit is not None:
+        monkeypatch.setattr(engine_mod, "_FIRST_READS", limit)
+    prompts = _prompts(12, seed=23)
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=12, max_seq_len=160,
+                     cost_model=DEAR_DRAFTS, probe_share=0.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=12), domain="math") for p in prompts])
+    ar = SpecEngine(target, None, mode="ar", max_batch_size=12, max_seq_len=160).run(
+        [Request(p, SamplingParams(max_new_tokens=12)) for p in prompts])
+    assert [o.output_ids for o in outs] == [o.output_ids for o in ar]
+    first = sum(o.stats.drafted[0] for o in outs)
+    second = sum(o.stats.drafted[1] for o in outs)
+    if limit is None:
+        assert 1 <= first <= 4 and second == 0, (first, second)
+    else:
+        assert first == 12, first
+
+
 class _WakingProposer(OracleProposer):
     """Wrong on every proposal until a request has `wake` output tokens, exact afterwards."""
 

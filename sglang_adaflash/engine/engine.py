@@ -192,7 +192,7 @@ class SpecEngine:
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
         self._probe_credit = 0.0  # seconds of drafting probes may still spend (see _choose_drafted)
-        self._forced_charge: tuple[float, float, float] | None = None  # see _charge_forced
+        self._forced_charge: tuple[float, float, float, float] | None = None  # see _charge_forced
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -314,16 +314,18 @@ class SpecEngine:
         first = self._sample_rows(logits, joined)
         slots = list(range(offset, offset + len(joined)))
         if self.proposer is not None and aux is not None:
-            feats = self._pad_rows(aux, batch.q_lens)
-            lazy = [j for j, s in enumerate(joined) if self._lazy_prompt(s, feats.shape[-1])]
-            for j in lazy:  # projected when the request is first drafted (_catch_up), if ever
-                joined[j].prompt_feats = feats[j, : len(joined[j].req.prompt_ids)].clone()
+            lazy = [j for j, s in enumerate(joined) if self._lazy_prompt(s, aux.shape[-1])]
+            if lazy:  # projected when the request is first drafted (_catch_up), if ever
+                rows = aux.split([len(s.req.prompt_ids) for s in joined])  # views of the packed rows
+                for j in lazy:
+                    joined[j].prompt_feats = rows[j].clone()
             waiting = set(lazy)
             eager = [j for j in range(len(joined)) if j not in waiting]
             if len(eager) == len(joined):
-                self.proposer.extend_context(feats, batch.starts, slots)
+                self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, slots)
             elif eager:
                 index = torch.tensor(eager, dtype=torch.long, device=self.device)
+                feats = self._pad_rows(aux, batch.q_lens)
                 self.proposer.extend_context(feats[index], batch.starts[index], [slots[j] for j in eager])
         if self.posterior is not None:
             self.posterior.reset(torch.tensor(slots, device=self.device), [s.req.domain for s in joined])
@@ -390,9 +392,9 @@ class SpecEngine:
         result = self.sampler.verify(spec, self._pad_rows(logits, batch.q_lens))
         committed = result.to_lists()
         self._update_context(seqs, spec, aux, batch.q_lens, result)
-        self._charge_forced(spec, int(batch.q_lens.sum()) - len(seqs))
         self._commit(seqs, spec, committed, result)
         t2 = time.perf_counter()
+        self._charge_forced(spec, int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
         verified = int(batch.q_lens.sum())
         self.stats.steps += 1
         self.stats.batch_sizes.append(len(seqs))
@@ -508,7 +510,8 @@ class SpecEngine:
             # Only forced rows (first reads, probes) draft: the whole drafting is theirs. What it
             # really costs (catch-up of their pending context, the forward, the head, planning)
             # is charged after the step in place of this estimate (see _charge_forced).
-            self._forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs)
+            self._forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs,
+                                   cost.fixed + cost.per_token * bs)
         drafted = chosen.nonzero().flatten().tolist()
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         return drafted, [i for i in drafted if bool(force[i])]
@@ -533,10 +536,14 @@ class SpecEngine:
                 taken[domains[i]] = taken.get(domains[i], 0) + 1
         return cold
 
-    def _charge_forced(self, spec: SpecBatch, proposals: int) -> None:
+    def _charge_forced(self, spec: SpecBatch, proposals: int, verify_seconds: float | None = None) -> None:
         """A step that drafted only forced rows pays its measured drafting time, and the verify
         slots of their proposals, from the probe credit (less what the plan already took); on a
         step that drafts anyway, forced rows pay their rows' price and their measured catch-up.
+        Given the step's measured verify time, the proposals pay whatever the step verified
+        beyond a plain step's price, when that is more than their slots' price: one row of two
+        tokens among single-token rows takes the target's ragged attention path, which on the
+        embedded pair cost more than the drafter forward itself, and went unpaid.
         So probes and first reads together keep to `probe_share` of the time as it is measured,
         not as the cost model guessed it. The debt is bounded, so a long cold start delays
         probes for a while, not for good. With a fixed cost model (given, not measured) its
@@ -544,9 +551,12 @@ class SpecEngine:
         if self._forced_charge is None or not spec.drafted:
             self._probe_credit -= spec.forced_catch_up_seconds
             return
-        paid, per_token, bound = self._forced_charge
+        paid, per_token, bound, plain = self._forced_charge
         self._forced_charge = None
-        cost = spec.draft_seconds + per_token * proposals
+        verify = per_token * proposals
+        if verify_seconds is not None:
+            verify = max(verify, verify_seconds - plain)
+        cost = spec.draft_seconds + verify
         self._probe_credit = max(self._probe_credit - (cost - paid), -bound)
 
     def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:

@@ -321,15 +321,22 @@ def test_forced_drafting_is_charged_what_it_measured(target, drafter):
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64, seed=0)
     assert eng.cost_model is None  # measured prices
     spec = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0], probes=[0], draft_seconds=0.010)
-    eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0)
+    eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
     eng._charge_forced(spec, proposals=3)
     assert eng._probe_credit == pytest.approx(0.020 - (0.010 + 0.003 - 0.004))
     assert eng._forced_charge is None
+    # the measured verify phase: a step that verified 8 ms beyond a plain step's 30 ms pays
+    # those 8 ms, not its 3 slots' 3 ms; one within the plain price pays its slots
+    for verify_seconds, charged in ((0.038, 0.008), (0.031, 0.003)):
+        eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
+        eng._charge_forced(spec, proposals=3, verify_seconds=verify_seconds)
+        assert eng._probe_credit == pytest.approx(0.020 - (0.010 + charged - 0.004))
+    eng._probe_credit = 0.011
     ride = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0, 1], probes=[1],
                      draft_seconds=0.05, forced_catch_up_seconds=0.002)
     eng._charge_forced(ride, proposals=9)
     assert eng._probe_credit == pytest.approx(0.011 - 0.002)
-    eng._forced_charge = (0.0, 0.0, 0.05)
+    eng._forced_charge = (0.0, 0.0, 0.05, 0.0)
     eng._charge_forced(SpecBatch(torch.ones(1, dtype=torch.long), drafted=[0], draft_seconds=9.0), 1)
     assert eng._probe_credit == -0.05  # bounded debt
 

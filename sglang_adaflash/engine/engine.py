@@ -81,13 +81,12 @@ class SpecBatch(SpecMetadata):
         if not self.drafted:
             return [1.0 / block_size] * len(self.lengths)
         out = torch.full((len(self.lengths),), 1.0 / block_size)
-        if self.drafted:
-            rows = torch.tensor(self.drafted, dtype=torch.long)
-            if self.survival is not None:
-                tau = expected_tau(self.survival.cpu(), self.lengths[rows])
-                out[rows] = tau / block_size
-            elif self.head_ratio is not None:
-                out[rows] = self.head_ratio.float().cpu()
+        rows = torch.tensor(self.drafted, dtype=torch.long)
+        if self.survival is not None:
+            tau = expected_tau(self.survival.cpu(), self.lengths[rows])
+            out[rows] = tau / block_size
+        elif self.head_ratio is not None:
+            out[rows] = self.head_ratio.float().cpu()
         return out.tolist()
 
 

@@ -125,8 +125,8 @@ def main(argv=None) -> int:
 
             engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
 
-            def timed(e, keep=False, requests=requests):
-                """One run: (wall tok/s, CPU tok/s, output ids[, outputs])."""
+            def timed(e, requests=requests):
+                """One run: (wall tok/s, CPU tok/s, output ids, outputs)."""
                 e.stats = EngineStats()
                 if e.posterior is not None:  # cold calibration: no history carried over
                     e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 ids = [o.output_ids for o in outs]
                 done = sum(len(x) for x in ids)
-                return (done / wall, done / cpu, ids, outs) if keep else (done / wall, done / cpu, ids)
+                return done / wall, done / cpu, ids, outs
 
             for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
                 e.run(requests()[: min(2, n)])
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 order = modes[rep % len(modes):] + modes[: rep % len(modes)]
                 for m in order:
-                    wall_tput, cpu_tput, ids, outs = timed(engines[m], keep=True)
+                    wall_tput, cpu_tput, ids, outs = timed(engines[m])
                     tput[m].append(wall_tput)
                     cput[m].append(cpu_tput)
                     if m == "ar":

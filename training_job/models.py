@@ -1,6 +1,7 @@
-"""Build the embedded model pair from scratch: data -> tokenizer -> target -> drafter.
+"""Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood -> drafter.
 
-    python -m training_job.models build --out DIR [--toy] [--stages data,tokenizer,target,drafter]
+    python -m training_job.models build --out DIR [--toy]
+        [--stages data,tokenizer,target,unlikelihood,drafter]
     python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
 
 Each stage writes its output atomically and is skipped when that output already exists, so an
@@ -12,7 +13,10 @@ Layout of DIR::
     data/            workloads (see training_job.data)
     tokenizer/       HF tokenizer (tokenizer.json, tokenizer_config.json)
     target_work/     target checkpoint (ckpt.pt) and train_log.jsonl
-    target/          HF model directory of the target, with tokenizer files and training_report.json
+    target_mle/      HF model directory of the target after maximum likelihood
+    unlikelihood_work/  the loop fine-tune's checkpoint (ckpt.pt) and train_log.jsonl
+    target/          HF model directory of the target (target_mle/ fine-tuned against its own
+                     greedy loops), with tokenizer files and training_report.json
     drafter_work/    regenerated responses (regen.*.jsonl), drafter and length-head checkpoints
     drafter/         DFlash-format drafter checkpoint (config.json, model.safetensors,
                      manifest.json) with the AdaFlash length head
@@ -31,8 +35,9 @@ from pathlib import Path
 from .data import DOMAINS, DataConfig, build_all, load_split
 from .dflash_offline import DrafterTrainConfig
 from .target_lm import TargetConfig
+from .target_unlikelihood import UnlikelihoodConfig
 
-STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "drafter")
+STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter")
 # Held-out prompts per domain whose regenerated responses measure the drafter (block tau).
 EVAL_PROMPTS = 48
 
@@ -71,12 +76,26 @@ def stage_target(out: Path, data_dir: Path, tok_dir: Path, cfg: TargetConfig,
     from .target_lm import train_target
     from .tokenizer import load_tokenizer
 
-    target_dir = out / "target"
+    target_dir = out / "target_mle"
     if not (target_dir / "model.safetensors").exists():
         tokenizer = load_tokenizer(tok_dir)
         heldout = {d: load_split(data_dir, d, "heldout") for d in DOMAINS}
         report = train_target(cfg, tokenizer, _train_records(data_dir), heldout,
                               out / "target_work", target_dir, progress=progress)
+        print(json.dumps(report["heldout"], indent=2))
+    return target_dir
+
+
+def stage_unlikelihood(out: Path, data_dir: Path, base_dir: Path, cfg: UnlikelihoodConfig,
+                       progress: bool = True) -> Path:
+    """Fine-tune the MLE target against its own greedy loops (training_job.target_unlikelihood)."""
+    from .target_unlikelihood import finetune
+
+    target_dir = out / "target"
+    if not (target_dir / "model.safetensors").exists():
+        heldout = {d: load_split(data_dir, d, "heldout") for d in DOMAINS}
+        report = finetune(cfg, base_dir, _train_records(data_dir), heldout,
+                          out / "unlikelihood_work", target_dir, progress=progress)
         print(json.dumps(report["heldout"], indent=2))
     return target_dir
 
@@ -126,7 +145,8 @@ def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrain
 
 def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig | None = None,
           progress: bool = True, kjv_text: str | None = None,
-          drafter_cfg: DrafterTrainConfig | None = None) -> dict[str, Path]:
+          drafter_cfg: DrafterTrainConfig | None = None,
+          unlikelihood_cfg: UnlikelihoodConfig | None = None) -> dict[str, Path]:
     """Run the stages in order under ``out``; ``kjv_text`` replaces the `bible` reader (tests)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +157,10 @@ def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig 
     if "tokenizer" in stages or "target" in stages:
         paths["tokenizer"] = stage_tokenizer(out, paths["data"], cfg)
     if "target" in stages:
-        paths["target"] = stage_target(out, paths["data"], paths["tokenizer"], cfg, progress)
+        paths["target_mle"] = stage_target(out, paths["data"], paths["tokenizer"], cfg, progress)
+    if "unlikelihood" in stages:
+        ucfg = unlikelihood_cfg or (UnlikelihoodConfig.toy() if toy else UnlikelihoodConfig())
+        paths["target"] = stage_unlikelihood(out, paths["data"], out / "target_mle", ucfg, progress)
     if "drafter" in stages:
         dcfg = drafter_cfg or (DrafterTrainConfig.toy() if toy else DrafterTrainConfig())
         paths["drafter"] = stage_drafter(out, paths["data"], out / "target", dcfg, progress)
@@ -183,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--stages", default=",".join(STAGES),
                    help=f"comma-separated subset of {','.join(STAGES)}")
     b.add_argument("--max-steps", type=int, default=None, help="override the target's steps")
+    b.add_argument("--unlikelihood-steps", type=int, default=None,
+                   help="override the loop fine-tune's steps")
     b.add_argument("--no-progress", action="store_true")
     s = sub.add_parser("ship", help="copy a build into sglang_adaflash/assets/")
     s.add_argument("--from", dest="src", type=Path, required=True)
@@ -197,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TargetConfig.toy() if args.toy else TargetConfig()
     if args.max_steps is not None:
         cfg = replace(cfg, max_steps=args.max_steps)
-    build(args.out, toy=args.toy, stages=stages, target_cfg=cfg, progress=not args.no_progress)
+    ucfg = UnlikelihoodConfig.toy() if args.toy else UnlikelihoodConfig()
+    if args.unlikelihood_steps is not None:
+        ucfg = replace(ucfg, steps=args.unlikelihood_steps)
+    build(args.out, toy=args.toy, stages=stages, target_cfg=cfg, progress=not args.no_progress,
+          unlikelihood_cfg=ucfg)
     return 0
 
 

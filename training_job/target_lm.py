@@ -300,8 +300,9 @@ def train_target(cfg: TargetConfig, tokenizer, train: list[dict], heldout: dict[
 
 
 def export_target(model, tokenizer, cfg: TargetConfig, heldout: dict[str, list[dict]],
-                  out_dir: Path, log_path: Path | None = None) -> dict:
-    """Save the HF model directory, reload it as shipped, and evaluate that copy."""
+                  out_dir: Path, log_path: Path | None = None, extra: dict | None = None) -> dict:
+    """Save the HF model directory, reload it as shipped, and evaluate that copy; ``extra``
+    joins the report (what a later stage, such as a fine-tune, adds to the recipe)."""
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -326,6 +327,7 @@ def export_target(model, tokenizer, cfg: TargetConfig, heldout: dict[str, list[d
         "heldout": {d: {k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()}
                     for d, e in ev.items()},
         "config": asdict(cfg),
+        **(extra or {}),
     }
     atomic_write_text(tmp / "training_report.json", json.dumps(report, indent=2) + "\n")
     if out_dir.exists():

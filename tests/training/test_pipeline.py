@@ -1,4 +1,5 @@
-"""The whole embedded-pair pipeline at toy scale: data -> tokenizer -> target, then resume."""
+"""The whole embedded-pair pipeline at toy scale: data -> tokenizer -> target -> loop fine-tune
+-> drafter, then a second build that retrains nothing."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     report = json.loads((target / "training_report.json").read_text())
     assert set(report["heldout"]) == {"code", "math", "prose"}
     assert all(v["tokens"] > 0 for v in report["heldout"].values())
+    # the shipped target is the MLE target fine-tuned against its loops, and says so
+    assert paths["target_mle"] == tmp_path / "target_mle" and target == tmp_path / "target"
+    ul_log = [json.loads(x) for x in (tmp_path / "unlikelihood_work" / "train_log.jsonl").open()]
+    assert len([r for r in ul_log if r["event"] == "step"]) == models.UnlikelihoodConfig.toy().steps
+    assert report["unlikelihood"]["steps"] == models.UnlikelihoodConfig.toy().steps
+    mle_report = json.loads((paths["target_mle"] / "training_report.json").read_text())
+    assert report["unlikelihood"]["base_heldout"] == mle_report["heldout"]
 
     from sglang_adaflash.drafter.checkpoint import load_drafter
     from sglang_adaflash.drafter.manifest import check_target
@@ -49,6 +57,8 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)
     log2 = [json.loads(x) for x in (tmp_path / "target_work" / "train_log.jsonl").open()]
     assert len(log2) == len(log)
+    ul_log2 = [json.loads(x) for x in (tmp_path / "unlikelihood_work" / "train_log.jsonl").open()]
+    assert len(ul_log2) == len(ul_log)
 
 
 def test_target_resumes_from_checkpoint(tmp_path):

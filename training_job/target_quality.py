@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from sglang_adaflash.assets import chat_format as cf
+from sglang_adaflash.bench.runner import recorded_path
 
 from .data import DOMAINS, load_split
 from .data.common import atomic_write_text
@@ -169,7 +170,8 @@ def measure(target: Path, workloads: Path, domains: Sequence[str] = DOMAINS,
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     report: dict = {
-        "format": FORMAT, "target": str(target), "workloads": str(workloads),
+        # paths as recorded in committed results: relative, or <embedded>/..., never this machine's
+        "format": FORMAT, "target": recorded_path(target), "workloads": recorded_path(workloads),
         "settings": {"prompts": prompts, "ppl_records": ppl_records,
                      "max_new_tokens": max_new_tokens,
                      "answer_max_new_tokens": answer_max_new_tokens,

@@ -78,6 +78,7 @@ def test_command_on_a_tiny_model(tiny_target, workloads, tmp_path, capsys):
     assert "rep4 T=0" in table and "prose" in table
     rep = json.loads(out.read_text())
     assert rep["format"] == tq.FORMAT and set(rep["domains"]) == {"code", "math", "prose"}
+    assert not rep["target"].startswith("/") and not rep["workloads"].startswith("/")
     for e in rep["domains"].values():
         assert e["ppl"] > 1 and e["ppl_records"] == 5 and e["prompts"] == 4
         for kind in ("greedy", "sampled"):

@@ -104,6 +104,23 @@ def cut_at_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> tuple[list[int]
 
 
 @torch.inference_mode()
+def generate_batch(model, ids: list[list[int]], max_new_tokens: int, stops: tuple[int, ...],
+                   pad: int, **sampling) -> list[tuple[list[int], bool]]:
+    """Continue token-id prompts in one left-padded batch; per prompt the new tokens before the
+    first stop token and whether it stopped. ``sampling`` holds ``generate()``'s sampling
+    arguments (greedy when empty)."""
+    width = max(len(x) for x in ids)
+    x = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for r, p in enumerate(ids):
+        x[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    kw = sampling or dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         eos_token_id=list(stops), pad_token_id=pad, **kw)
+    return [cut_at_stop(gen[r, width:].tolist(), stops) for r in range(len(ids))]
+
+
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, batch_size: int = 16,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
              ) -> list[tuple[list[int], bool]]:
@@ -114,27 +131,19 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, batch
     ``seed + batch index`` before each batch.
     """
     stops = _stop_ids(tokenizer)
-    pad = tokenizer.pad_token_id
     ids = [tokenizer(cf.render_prompt(p), add_special_tokens=False)["input_ids"] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[tuple[list[int], bool] | None] = [None] * len(ids)
-    sample = temperature > 0
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) \
+        if temperature > 0 else {}
     for b, s in enumerate(range(0, len(order), batch_size)):
         rows = order[s:s + batch_size]
-        width = max(len(ids[i]) for i in rows)
-        x = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            x[r, width - len(ids[i]):] = torch.tensor(ids[i])
-            mask[r, width - len(ids[i]):] = 1
-        kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if sample else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if sample:
+        if sampling:
             torch.manual_seed(seed + b)
-        gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             eos_token_id=list(stops), pad_token_id=pad, **kw)
-        for r, i in enumerate(rows):
-            out[i] = cut_at_stop(gen[r, width:].tolist(), stops)
+        outs = generate_batch(model, [ids[i] for i in rows], max_new_tokens, stops,
+                              tokenizer.pad_token_id, **sampling)
+        for i, o in zip(rows, outs):
+            out[i] = o
     return out  # type: ignore[return-value]
 
 

@@ -48,7 +48,7 @@ from .target_lm import (
     export_target,
     pack,
 )
-from .target_quality import generate, repeated_ngram_share
+from .target_quality import generate, generate_batch, repeated_ngram_share
 
 FORMAT = "adaflash.target_unlikelihood/v1"
 
@@ -133,8 +133,9 @@ def _continuation_batch(model, tokenizer, prompts: list[list[int]], cfg: Unlikel
                         pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """Greedy continuations of ``prompts``: (ids [bs, T] right-padded, attention mask, penalty
     flags, continuation tokens, flagged tokens)."""
+    stops = tuple(tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS)
     model.eval()
-    outs = generate_ids(model, prompts, cfg.max_new_tokens, tokenizer, pad)
+    outs = [t for t, _ in generate_batch(model, prompts, cfg.max_new_tokens, stops, pad)]
     model.train()
     rows, flags, cont = [], [], 0
     for p, g in zip(prompts, outs):
@@ -150,29 +151,6 @@ def _continuation_batch(model, tokenizer, prompts: list[list[int]], cfg: Unlikel
         att[i, :len(r)] = 1
         fl[i, :len(r)] = torch.tensor(f)
     return ids, att, fl, cont, int(fl.sum())
-
-
-@torch.no_grad()
-def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, tokenizer,
-                 pad: int) -> list[list[int]]:
-    """Greedy continuations of token-id prompts (left padded, one batch), cut before the first
-    stop token."""
-    stops = tuple(tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS)
-    width = max(map(len, prompts))
-    x = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(x)
-    for r, p in enumerate(prompts):
-        x[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         eos_token_id=list(stops), pad_token_id=pad, do_sample=False,
-                         temperature=None, top_p=None, top_k=None)
-    outs = []
-    for r in range(len(prompts)):
-        toks = gen[r, width:].tolist()
-        cut = next((i for i, t in enumerate(toks) if t in stops), len(toks))
-        outs.append(toks[:cut])
-    return outs
 
 
 def greedy_rep4(model, tokenizer, heldout: dict[str, list[dict]], limit: int,

@@ -82,11 +82,13 @@ class D2SDEngine(SpecEngine):
         hidden = self.proposer.propose(last, ctx, None, slots=rows)
         return self.drafter.logits(hidden[:, 1:])
 
-    def _branch_logits(self, seqs: list[_Seq], block_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """[m, B, V] recovery-drafter logits for blocks block_ids [m, B] of the given rows."""
+    def _branch_logits(self, seqs: list[_Seq], block_ids: torch.Tensor, rows: list[int],
+                       read: torch.Tensor) -> torch.Tensor:
+        """[m, R, V] recovery-drafter logits at block slots read [m, R] of blocks block_ids [m, B]
+        of the given rows (only the slots a branch uses: its state and LM head rows cost)."""
         ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
         slots = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.recovery.logits(self.proposer.propose_branches(block_ids, ctx, slots))
+        return self.recovery.logits(self.proposer.propose_branches(block_ids, ctx, slots, read))
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,13 +168,17 @@ class D2SDEngine(SpecEngine):
         its tokens at r+1 .. r+l-1."""
         b = self.block_size
         ids = torch.full((len(pending), b), self.drafter.config.mask_token_id, dtype=torch.long)
-        for m, (j, r, _) in enumerate(pending):
+        width = max(ln for _, _, ln in pending)
+        read = torch.empty(len(pending), width, dtype=torch.long)
+        for m, (j, r, ln) in enumerate(pending):
             known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
             ids[m, : len(known)] = torch.tensor(known)
-        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _ in pending])  # [m, B, V]
+            read[m] = torch.arange(r, r + width).clamp(max=b - 1)  # slots r .. r+l-1, then padding
+        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _ in pending],
+                                     read.to(self.device))  # [m, width, V]
         out: dict[int, list[Branch]] = {}
         for m, (j, r, ln) in enumerate(pending):
-            span = logits[m, r : r + ln]  # slots r .. r+l-1
+            span = logits[m, :ln]  # slots r .. r+l-1
             if j in hot_set:
                 seq = seqs[rows[j]]
                 q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
@@ -282,15 +288,17 @@ class D2SDEngine(SpecEngine):
             won.index_add_(0, b[:on_chain], torch.ones(min(on_chain, upto)))
 
     def _profile_recovery(self, repeats: int = 2) -> tuple[float, float]:
-        """Seconds of the recovery drafter's forward: a fixed part and a part per branch."""
+        """Seconds of the recovery drafter's forward and LM head: a fixed part and a part per branch."""
         times, wide = [], min(8, self.max_batch_size)
         for m in (1, wide):
             ids = torch.full((m, self.block_size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
             zero = torch.zeros(m, dtype=torch.long, device=self.device)
+            read = torch.arange(1, 1 + self.branch_len, device=self.device).clamp(max=self.block_size - 1)
+            read = read[None].expand(m, -1)
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                self.proposer.propose_branches(ids, zero + 1, zero)
+                self.recovery.logits(self.proposer.propose_branches(ids, zero + 1, zero, read))
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         per = max((times[1] - times[0]) / max(wide - 1, 1), 0.0)

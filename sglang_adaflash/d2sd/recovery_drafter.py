@@ -101,9 +101,11 @@ class TreeProposer(DFlashProposer):
         self.rcache.move(src, dst, length)
 
     @torch.inference_mode()
-    def propose_branches(self, block_ids: torch.Tensor, ctx_lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def propose_branches(self, block_ids: torch.Tensor, ctx_lens: torch.Tensor, slots: torch.Tensor,
+                         read: torch.Tensor | None = None) -> torch.Tensor:
         """One recovery-drafter forward over every branch: block_ids [m, B] (known slots then
-        masks), ctx_lens [m] and cache slots [m] (repeats allowed) -> block states [m, B, H]."""
+        masks), ctx_lens [m] and cache slots [m] (repeats allowed) -> block states [m, B, H],
+        or [m, R, H] at the block slots read [m, R] (DFlashDrafter.forward)."""
         m, b = block_ids.shape
         embeds = self.recovery.embed_tokens(block_ids)
         positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
@@ -111,4 +113,4 @@ class TreeProposer(DFlashProposer):
         ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :].expand(m, 1, b, c + b)
         ctx_kv = [self.rcache.gather(layer, slots, c) for layer in range(len(self.recovery.layers))]
-        return self.recovery(embeds, positions, ctx_kv, mask)
+        return self.recovery(embeds, positions, ctx_kv, mask, read)

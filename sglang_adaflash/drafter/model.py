@@ -39,12 +39,18 @@ class DrafterAttention(nn.Module):
         k = apply_rope(k, cos[:, :, None], sin[:, :, None])
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [N, Q, H] block states; ctx_k/v [N, kvh, C, hd]; mask [N, 1, Q, C+Q] -> [N, Q, H]."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, rows=None):
+        """x [N, Q, H] block states; ctx_k/v [N, kvh, C, hd]; mask [N, 1, Q, C+Q] -> [N, Q, H].
+
+        rows [N, R]: queries at those block slots only (every slot still gives keys and values)
+        -> [N, R, H]."""
+        bk, bv = self.key_value(x, cos, sin)
+        if rows is not None:
+            x, cos, sin = (_take_rows(t, rows) for t in (x, cos, sin))
+            mask = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[3]))
         n, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, self.head_dim))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
-        bk, bv = self.key_value(x, cos, sin)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
         out = attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1)
@@ -70,9 +76,15 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, rows=None):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask, rows)
+        x = (x if rows is None else _take_rows(x, rows)) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t [N, Q, ...] -> [N, R, ...] at block slots rows [N, R]."""
+    return t.gather(1, rows.view(*rows.shape, *([1] * (t.dim() - 2))).expand(*rows.shape, *t.shape[2:]))
 
 
 class DFlashDrafter(nn.Module):
@@ -141,16 +153,21 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor,
+        read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the layers over a block.
 
         block_embeds [N, Q, H]; block_positions [N, Q]; ctx_kv per layer ([N, kvh, C, hd] x2);
-        mask [N, 1, Q, C+Q] bool. Returns the final normed block states [N, Q, H].
+        mask [N, 1, Q, C+Q] bool. Returns the final normed block states [N, Q, H], or with
+        read [N, R] (block slots) only those states [N, R, H]: the last layer then runs its
+        queries, output projection and MLP on those slots alone, since no later layer needs the
+        others (a recovery branch reads 4 of a block's 16 slots).
         """
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rope(block_positions, x.dtype)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask)
+        last = len(self.layers) - 1
+        for i, (layer, (ck, cv)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, cos, sin, ck, cv, mask, read if i == last else None)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

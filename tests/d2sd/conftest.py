@@ -57,7 +57,7 @@ class OracleD2SD(D2SDEngine):
             self._chains[i] = outs[-1].argmax(-1).tolist()
         return torch.stack(outs)
 
-    def _branch_logits(self, seqs, block_ids, rows):
+    def _branch_logits(self, seqs, block_ids, rows, read):
         b = self.block_size
         outs = []
         for m, i in enumerate(rows):
@@ -68,5 +68,5 @@ class OracleD2SD(D2SDEngine):
             cont = self._continuation(hist, b - r)
             out = torch.zeros(b, self.target.vocab_size, dtype=torch.float64)
             out[r:] = self._logits(cont, True)
-            outs.append(out)
+            outs.append(out[read[m]])
         return torch.stack(outs)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import CLIError
 from . import TREE_RULES
+from .cascade import BACKENDS as TREE_ATTENTION
 
 RECOVERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "recovery_drafter"
 
@@ -18,6 +19,7 @@ class D2SDOptions:
     tree_k: int = 2
     branch_len: int = 4
     tree_rule: str = "load_aware"
+    tree_attention: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +49,10 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
                    help=f"most tokens per branch (default {D2SDOptions.branch_len})")
     g.add_argument("--tree-rule", choices=TREE_RULES, default=D2SDOptions.tree_rule,
                    help="load_aware: the step's cost decides how much of the tree to use (default); fixed: all of it")
+    g.add_argument("--tree-attention", choices=TREE_ATTENTION, default=D2SDOptions.tree_attention,
+                   help="how the target attends over a tree: cascade attention through FlashInfer (CUDA, float16/"
+                        "bfloat16), `torch` (the same two levels in torch), or one `masked` call; auto (default) "
+                        "is flashinfer where it fits, else masked")
 
 
 def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
@@ -56,7 +62,8 @@ def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     if args.branch_len < 1:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
-    return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.tree_rule)
+    return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.tree_rule,
+                       getattr(args, "tree_attention", D2SDOptions.tree_attention))
 
 
 def attach_recovery(pair, options: D2SDOptions | None) -> None:
@@ -85,4 +92,4 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
     if opts is None or getattr(pair, "recovery", None) is None:
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
-                      tree_rule=opts.tree_rule, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+                      tree_rule=opts.tree_rule, tree_attention=opts.tree_attention, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

@@ -18,7 +18,7 @@ from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecEngine, _Seq
 from ..target.hf_target import HFTarget
-from . import TREE_RULES
+from . import TREE_RULES, cascade
 from .recovery import TreeCost, plan_tree
 from .recovery_drafter import TreeProposer
 from .tree import Branch, TreeRow, build_row, flatten
@@ -36,6 +36,7 @@ class D2SDEngine(SpecEngine):
         tree_k: int = 2,
         branch_len: int = 4,
         tree_rule: str = "load_aware",
+        tree_attention: str = "auto",
         beta: float = 0.5,
         alt_prior: float = 0.3,
         max_batch_size: int = 64,
@@ -46,7 +47,8 @@ class D2SDEngine(SpecEngine):
         under the load-aware rule the step's cost decides how much of it to use, `fixed` always
         takes all of it. `beta` is the prior per-slot survival of a branch's continuation and
         `alt_prior` the prior chance that a branch's first token is right where the chain fails;
-        both are then measured as the engine serves."""
+        both are then measured as the engine serves. `tree_attention` picks how the target attends
+        over the trees (cascade.py: auto = FlashInfer's cascade attention where it fits)."""
         if drafter is None or recovery is None:
             raise ValueError("mode 'd2sd' needs a drafter and a recovery drafter (--recovery-drafter DIR)")
         if tree_k < 0 or branch_len < 1:
@@ -62,6 +64,8 @@ class D2SDEngine(SpecEngine):
         super().__init__(target, drafter, mode="dflash", proposer=proposer, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, **kw)
         self.mode = "d2sd"
+        self.tree_attention = cascade.select(tree_attention, self.device, target.dtype)
+        self._cascade = cascade.make(self.tree_attention, self.device)
         self.recovery = recovery
         self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule
         self.trim_chain = True  # under load_aware, the chain's length is planned too
@@ -104,7 +108,7 @@ class D2SDEngine(SpecEngine):
         t1 = time.perf_counter()
         flat = flatten(trees, self.device)
         starts = torch.tensor([s.cache_len for s in seqs], device=self.device)
-        fwd = tree_forward(self.target, self.cache, flat, starts)
+        fwd = tree_forward(self.target, self.cache, flat, starts, self._cascade)
         results = self._walk(seqs, trees, fwd.logits)
         width = max(len(r.path) for r in results)
         paths = torch.zeros(bs, width, dtype=torch.long)

@@ -5,8 +5,9 @@ own ancestors only (plus itself), at RoPE position cache_len + depth. Node K/V a
 rather than written into the slot cache, because siblings share a position; after acceptance
 only the accepted path's K/V are written, at consecutive positions, so the cache afterwards is
 exactly what a chain verify of that path would have left. The attention is one padded call
-over [context ; nodes] per layer; shared prefixes are recomputed per request but never per
-branch (each node is one query row), which is what cascade attention would save on a GPU.
+over [context ; nodes] per layer, or, with a cascade (cascade.py: FlashInfer's kernels on CUDA),
+the context and the nodes attended separately and merged, so the long context level needs no
+per-node mask.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ class TreeForward:
 
 
 @torch.inference_mode()
-def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: torch.Tensor) -> TreeForward:
-    """starts [bs] committed cache lengths (rows are cache slots 0..bs-1)."""
+def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: torch.Tensor,
+                 cascade=None) -> TreeForward:
+    """starts [bs] committed cache lengths (rows are cache slots 0..bs-1). cascade: None for the
+    one masked attention call per layer, or a cascade.TorchCascade / FlashInferCascade, which
+    attends to the context and to the nodes separately and merges the two."""
     bs, n = tree.tokens.shape
     dev = tree.tokens.device
     hd = target.head_dim
@@ -40,7 +44,14 @@ def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: t
     cos, sin = cos[0].view(bs, n, 1, hd), sin[0].view(bs, n, 1, hd)
     c = int(starts.max())
     ctx_ok = torch.arange(c, device=dev)[None] < starts[:, None]  # [bs, C]
-    mask = torch.cat([ctx_ok[:, None, :].expand(bs, n, c), tree.ancestors], dim=-1)[:, None]  # [bs,1,N,C+N]
+    mask = None
+    if cascade is None:
+        mask = torch.cat([ctx_ok[:, None, :].expand(bs, n, c), tree.ancestors], dim=-1)[:, None]  # [bs,1,N,C+N]
+    scale = getattr(target.backbone.layers[0].self_attn, "scaling", None)
+    if cascade is not None:
+        cfg = target.config
+        cascade.plan(starts, tree.ancestors, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=hd, dtype=x.dtype, scale=hd ** -0.5 if scale is None else scale, context=c)
     capture = set(target.capture_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     node_kv = []
@@ -55,8 +66,11 @@ def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: t
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)  # [bs, kvh, N, hd]
         node_kv.append((k, v))
-        ck, cv = cache.view(i, bs, c)
-        out = attention(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask, scale=getattr(attn, "scaling", None))
+        if cascade is None:
+            ck, cv = cache.view(i, bs, c)
+            out = attention(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask, scale=getattr(attn, "scaling", None))
+        else:
+            out = cascade.run(q, k, v, cache.k[i], cache.v[i])
         x = x + attn.o_proj(out.transpose(1, 2).reshape(bs * n, -1))
         x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
         if i in capture:

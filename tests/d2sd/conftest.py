@@ -62,8 +62,7 @@ class OracleD2SD(D2SDEngine):
         outs = []
         for m, i in enumerate(rows):
             ids = block_ids[m].tolist()
-            chain = [seqs[i].last_token] + self._chains[i]
-            r = next(k for k in range(1, b) if ids[k] != chain[k])  # the first masked slot
+            r = int(read[m, 0])  # the branch's slot: its known tokens end before it
             hist = seqs[i].req.prompt_ids + seqs[i].output + ids[1:r]
             cont = self._continuation(hist, b - r)
             out = torch.zeros(b, self.target.vocab_size, dtype=torch.float64)

@@ -54,6 +54,18 @@ def test_greedy_equals_ar_with_joins(target, drafter, oracle, rule, batch):
         assert taus > 2
 
 
+def test_greedy_equals_ar_through_the_torch_cascade(target, drafter):
+    """The two-level tree attention (context, then nodes, merged) in the whole engine."""
+    prompts = _prompts(5, seed=9)
+    max_new = [12, 3, 17, 8, 10]
+    ar = _run(SpecEngine(target, None, mode="ar", max_batch_size=3, max_seq_len=128), prompts, max_new)
+    eng = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, tree_rule="fixed",
+                     tree_attention="torch", max_batch_size=3, max_seq_len=128)
+    assert eng.tree_attention == "torch"
+    assert _run(eng, prompts, max_new) == ar
+    assert eng.tree_stats["branch_wins"] > 3, eng.tree_stats
+
+
 def test_branches_add_accepted_tokens_over_the_chain(target, drafter):
     """The same oracle chain with and without branches (tree_k=0 is a chain)."""
     prompts = _prompts(4, seed=5)

@@ -56,6 +56,16 @@ def test_good_recovery_drafter_serves_d2sd_equal_to_ar(tiny_pair, tmp_path, caps
                                  "--tree-rule", rule)
         assert rc == 0, err
         assert out[0]["output_ids"] == ar[0]["output_ids"]
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--tree-attention", "torch")
+    assert rc == 0, err
+    assert out[0]["output_ids"] == ar[0]["output_ids"]
+
+
+def test_flashinfer_tree_attention_off_cuda_is_refused(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--tree-attention", "flashinfer")
+    assert rc == 2 and not out and "Traceback" not in err
+    assert "tree attention 'flashinfer' needs a CUDA device" in err.strip().splitlines()[-1]
 
 
 def _refused(capsys, pair, rec, *needles):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sglang_adaflash.d2sd.cascade import TorchCascade
 from sglang_adaflash.d2sd.tree import Branch, ancestor_matrix, build_row, flatten
 from sglang_adaflash.d2sd.tree_target import commit_paths, gather_nodes, tree_forward
 from sglang_adaflash.target.hf_target import TargetBatch
@@ -52,12 +53,14 @@ def test_ancestor_matrix():
     assert anc[9].nonzero().flatten().tolist() == [0, 1, 2, 8, 9]
 
 
-def test_every_node_matches_a_plain_forward_of_its_path(target):
+@pytest.mark.parametrize("cascade", [None, "torch"])
+def test_every_node_matches_a_plain_forward_of_its_path(target, cascade):
+    """The masked call, and the two-level cascade (context and nodes attended apart, merged)."""
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
     cache, starts = _prefill(target, prompts)
     rows = _trees()
     flat = flatten(rows, "cpu")
-    fwd = tree_forward(target, cache, flat, starts)
+    fwd = tree_forward(target, cache, flat, starts, TorchCascade() if cascade else None)
     for b, (prompt, row) in enumerate(zip(prompts, rows)):
         for node in range(row.size):
             seq = prompt + [row.tokens[i] for i in _path(row, node)]

@@ -12,7 +12,7 @@ needs no per-node mask and runs a plain prefill kernel straight over the slot ca
 short node level carries the ancestor mask.
 
 Backends, chosen per step by `select`:
-- `flashinfer` (CUDA, FlashInfer installed, float16 or bfloat16): the context level is
+- `flashinfer` (CUDA, FlashInfer installed, float16 or bfloat16, head size 64, 128 or 256): the context level is
   FlashInfer's paged prefill over the slot cache, whose per-layer [slots, kv_heads, capacity,
   head_dim] tensors are its "HND" paged layout with one page per slot (page size = capacity,
   last page length = the committed length); the node level is its ragged prefill with the
@@ -32,6 +32,7 @@ import torch
 
 BACKENDS = ("auto", "masked", "torch", "flashinfer")
 _HALF = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill kernels are built for
 
 
 @functools.cache
@@ -43,19 +44,21 @@ def _flashinfer():
     return flashinfer
 
 
-def flashinfer_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return torch.device(device).type == "cuda" and dtype in _HALF and _flashinfer() is not None
+def flashinfer_available(device: torch.device | str, dtype: torch.dtype, head_dim: int = 128) -> bool:
+    return (torch.device(device).type == "cuda" and dtype in _HALF and head_dim in FLASHINFER_HEAD_DIMS
+            and _flashinfer() is not None)
 
 
-def select(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
+def select(backend: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 128) -> str:
     """The backend a step uses: `auto` is flashinfer where it fits, else masked."""
     if backend not in BACKENDS:
         raise ValueError(f"tree attention must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "flashinfer" if flashinfer_available(device, dtype) else "masked"
-    if backend == "flashinfer" and not flashinfer_available(device, dtype):
-        raise ValueError("tree attention 'flashinfer' needs a CUDA device, the flashinfer package and "
-                         f"float16 or bfloat16 weights (got {torch.device(device).type}, {dtype})")
+        return "flashinfer" if flashinfer_available(device, dtype, head_dim) else "masked"
+    if backend == "flashinfer" and not flashinfer_available(device, dtype, head_dim):
+        raise ValueError("tree attention 'flashinfer' needs a CUDA device, the flashinfer package, float16 or "
+                         f"bfloat16 weights and a head size in {FLASHINFER_HEAD_DIMS} (got "
+                         f"{torch.device(device).type}, {dtype}, head size {head_dim})")
     return backend
 
 

@@ -64,7 +64,7 @@ class D2SDEngine(SpecEngine):
         super().__init__(target, drafter, mode="dflash", proposer=proposer, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, **kw)
         self.mode = "d2sd"
-        self.tree_attention = cascade.select(tree_attention, self.device, target.dtype)
+        self.tree_attention = cascade.select(tree_attention, self.device, target.dtype, target.head_dim)
         self._cascade = cascade.make(self.tree_attention, self.device)
         self.recovery = recovery
         self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule

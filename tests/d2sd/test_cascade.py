@@ -50,6 +50,8 @@ def test_backend_choice():
     assert cascade.select("torch", "cpu", torch.float32) == "torch"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         cascade.select("flashinfer", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="head size in"):
+        cascade.select("flashinfer", "cuda", torch.bfloat16, head_dim=32)
     with pytest.raises(ValueError, match="must be one of"):
         cascade.select("cascade", "cpu", torch.float32)
     assert cascade.make("masked", "cpu") is None

@@ -86,7 +86,7 @@ class TorchCascade:
     """The two levels and the merge in torch; `plan` once per step, `run` once per layer."""
 
     def plan(self, starts: torch.Tensor, ancestors: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype, scale: float, context: int) -> None:
+             head_dim: int, dtype: torch.dtype, scale: float, context: int, page_size: int) -> None:
         self.scale, self.context = scale, context
         self.ctx_mask = (torch.arange(context, device=starts.device)[None] < starts[:, None])[:, None, None, :]
         self.node_mask = ancestors[:, None]  # [bs, 1, N, N]
@@ -113,29 +113,29 @@ class FlashInferCascade:
         self._merge = fi.merge_state
 
     def plan(self, starts: torch.Tensor, ancestors: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype, scale: float, context: int) -> None:
+             head_dim: int, dtype: torch.dtype, scale: float, context: int, page_size: int) -> None:
         bs, n, _ = ancestors.shape
-        dev = starts.device
-        qo = torch.arange(bs + 1, dtype=torch.int32, device=dev) * n
-        pages = torch.arange(bs + 1, dtype=torch.int32, device=dev)  # request i reads page (= slot) i
-        self._bs, self._n = bs, n
-        self._page_size = None  # set from the cache tensors at the first run
-        self._ctx_args = (qo, pages, pages[:-1].clone(), starts.to(torch.int32), num_heads, num_kv_heads, head_dim)
-        self._ctx_kw = {"causal": False, "sm_scale": scale, "q_data_type": dtype, "kv_data_type": dtype}
+        lens = starts.to("cpu", torch.int32)  # plan() reads its index arrays on the host anyway
+        if int(lens.min()) < 1:
+            raise ValueError("cascade attention needs at least one committed token per request")
+        qo = torch.arange(bs + 1, dtype=torch.int32) * n
+        pages = torch.arange(bs + 1, dtype=torch.int32)  # request i reads page (= slot) i
+        self._ctx.plan(qo, pages, pages[:-1].clone(), lens, num_heads, num_kv_heads, head_dim, page_size,
+                       causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
         self._nodes.plan(qo, qo, num_heads, num_kv_heads, head_dim, custom_mask=ancestors.reshape(-1),
                          sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
 
     def run(self, q, node_k, node_v, cache_k, cache_v) -> torch.Tensor:
         bs, nh, n, hd = q.shape
-        if self._page_size != cache_k.shape[2]:  # the context level's plan needs the page size
-            self._page_size = cache_k.shape[2]
-            self._ctx.plan(*self._ctx_args, self._page_size, **self._ctx_kw)
         qf = q.transpose(1, 2).reshape(bs * n, nh, hd).contiguous()
         kf = node_k.transpose(1, 2).reshape(bs * n, -1, hd).contiguous()
         vf = node_v.transpose(1, 2).reshape(bs * n, -1, hd).contiguous()
         o_node, s_node = self._nodes.run(qf, kf, vf, return_lse=True)
         o_ctx, s_ctx = self._ctx.run(qf, (cache_k, cache_v), return_lse=True)
-        out, _ = self._merge(o_node, s_node, o_ctx, s_ctx)
+        # merge_state runs one thread block per token over all its heads, which caps the head count;
+        # the merge is per (token, head), so it takes them as tokens of one head each
+        out, _ = self._merge(o_node.reshape(-1, 1, hd), s_node.reshape(-1, 1), o_ctx.reshape(-1, 1, hd),
+                             s_ctx.reshape(-1, 1))
         return out.view(bs, n, nh, hd).transpose(1, 2)
 
 

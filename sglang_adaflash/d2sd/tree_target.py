@@ -51,7 +51,8 @@ def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: t
     if cascade is not None:
         cfg = target.config
         cascade.plan(starts, tree.ancestors, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                     head_dim=hd, dtype=x.dtype, scale=hd ** -0.5 if scale is None else scale, context=c)
+                     head_dim=hd, dtype=x.dtype, scale=hd ** -0.5 if scale is None else scale, context=c,
+                     page_size=cache.capacity)
     capture = set(target.capture_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     node_kv = []

@@ -18,6 +18,7 @@ class D2SDOptions:
     recovery_drafter: str | None = None
     tree_k: int = 2
     branch_len: int = 4
+    branch_width: int = 1
     tree_rule: str = "load_aware"
     tree_attention: str = "auto"
 
@@ -47,6 +48,9 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
                    help=f"most recovery branches per request and step (default {D2SDOptions.tree_k}; 0 = a chain)")
     g.add_argument("--branch-len", type=_count, default=D2SDOptions.branch_len,
                    help=f"most tokens per branch (default {D2SDOptions.branch_len})")
+    g.add_argument("--branch-width", type=_count, default=D2SDOptions.branch_width,
+                   help="most alternatives for a branch's slot: the branch's own, then the recovery drafter's "
+                        f"next-ranked tokens there, one node each (default {D2SDOptions.branch_width})")
     g.add_argument("--tree-rule", choices=TREE_RULES, default=D2SDOptions.tree_rule,
                    help="load_aware: the step's cost decides how much of the tree to use (default); fixed: all of it")
     g.add_argument("--tree-attention", choices=TREE_ATTENTION, default=D2SDOptions.tree_attention,
@@ -62,8 +66,10 @@ def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     if args.branch_len < 1:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
-    return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.tree_rule,
-                       getattr(args, "tree_attention", D2SDOptions.tree_attention))
+    if args.branch_width < 1:
+        raise CLIError(f"--branch-width must be >= 1, got {args.branch_width}")
+    return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.branch_width, args.tree_rule,
+                       args.tree_attention)
 
 
 def attach_recovery(pair, options: D2SDOptions | None) -> None:
@@ -92,4 +98,5 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
     if opts is None or getattr(pair, "recovery", None) is None:
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
+                      branch_width=opts.branch_width,
                       tree_rule=opts.tree_rule, tree_attention=opts.tree_attention, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

@@ -35,6 +35,7 @@ class D2SDEngine(SpecEngine):
         *,
         tree_k: int = 2,
         branch_len: int = 4,
+        branch_width: int = 1,
         tree_rule: str = "load_aware",
         tree_attention: str = "auto",
         beta: float = 0.5,
@@ -43,7 +44,9 @@ class D2SDEngine(SpecEngine):
         max_seq_len: int = 2048,
         **kw,
     ):
-        """`tree_k` and `branch_len` bound the tree (branches per request, tokens per branch);
+        """`tree_k` and `branch_len` bound the tree (branches per request, tokens per branch),
+        `branch_width` the alternatives for a branch's slot (1: the branch's own; more add the
+        recovery drafter's next-ranked tokens there, one node each);
         under the load-aware rule the step's cost decides how much of it to use, `fixed` always
         takes all of it. `beta` is the prior per-slot survival of a branch's continuation and
         `alt_prior` the prior chance that a branch's first token is right where the chain fails;
@@ -51,8 +54,9 @@ class D2SDEngine(SpecEngine):
         over the trees (cascade.py: auto = FlashInfer's cascade attention where it fits)."""
         if drafter is None or recovery is None:
             raise ValueError("mode 'd2sd' needs a drafter and a recovery drafter (--recovery-drafter DIR)")
-        if tree_k < 0 or branch_len < 1:
-            raise ValueError(f"d2sd needs tree_k >= 0 and branch_len >= 1, got {tree_k} and {branch_len}")
+        if tree_k < 0 or branch_len < 1 or branch_width < 1:
+            raise ValueError(f"d2sd needs tree_k >= 0, branch_len >= 1 and branch_width >= 1, got {tree_k}, "
+                             f"{branch_len} and {branch_width}")
         if tree_rule not in TREE_RULES:
             raise ValueError(f"tree_rule must be one of {TREE_RULES}, got {tree_rule!r}")
         for d in (drafter, recovery):
@@ -68,15 +72,17 @@ class D2SDEngine(SpecEngine):
         self._cascade = cascade.make(self.tree_attention, self.device)
         self.recovery = recovery
         self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule
+        self.branch_width = branch_width
         self.trim_chain = True  # under load_aware, the chain's length is planned too
         self.beta = beta
         self._beta_obs = [0.0, 0.0]  # continuation slots accepted, tried (decayed)
-        self._alt_obs = [0.0, 0.0]  # branch first tokens accepted, tried after a chain rejection (decayed)
+        # per alternative rank at a branch's slot: accepted, tried after a chain rejection (decayed)
+        self._alt_obs = [[0.0, 0.0] for _ in range(branch_width)]
         self.alt_prior = alt_prior
         self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
         self._raw_conf: dict[int, torch.Tensor] = {}
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
-        self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "steps": 0}
+        self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0}
 
     # -- the two drafting calls (tests override them with oracles) -------------------------
     def _chain_logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
@@ -153,12 +159,14 @@ class D2SDEngine(SpecEngine):
         conf = self._calibrated(top1)
         plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
                          beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
-                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain)
+                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain,
+                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)])
         chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
+        extra_l = plan.extra.tolist()
         chain_len = plan.chain.tolist()
         self._raw_conf = {i: top1[j, : chain_len[j] - 1] for j, i in enumerate(rows)}
         hot_set = set(hot)
-        pending = [(j, r, ln) for j in range(len(rows)) for r, ln in zip(slots_l[j], lens_l[j]) if ln >= 1]
+        pending = [(j, r, ln, w) for j in range(len(rows)) for r, ln, w in zip(slots_l[j], lens_l[j], extra_l[j]) if ln >= 1]
         branches = self._branches(seqs, rows, chain_l, pending, hot_set) if pending else {}
         for j, i in enumerate(rows):
             n_chain = chain_len[j] - 1
@@ -166,22 +174,24 @@ class D2SDEngine(SpecEngine):
             trees[i] = build_row(seqs[i].last_token, chain_l[j][:n_chain], branches.get(j, []), chain_q)
 
     def _branches(self, seqs, rows, chain_l, pending, hot_set) -> dict[int, list[Branch]]:
-        """One recovery-drafter forward for every (row j, slot r, length l): its block holds the
-        chain's tokens before slot r and masks from r on; the branch is its best token at r other
-        than the chain's (sampled at T > 0 from its distribution without the chain's token), then
-        its tokens at r+1 .. r+l-1."""
+        """One recovery-drafter forward for every (row j, slot r, length l, w more alternatives):
+        its block holds the chain's tokens before slot r and masks from r on; the branch is its
+        best token at r other than the chain's (sampled at T > 0 from its distribution without the
+        chain's token), then its tokens at r+1 .. r+l-1; each further alternative is one node, its
+        next best token at r (at T > 0 drawn without the chain's and the earlier alternatives'
+        tokens, which the verifier knows when it tries it)."""
         b = self.block_size
         ids = torch.full((len(pending), b), self.drafter.config.mask_token_id, dtype=torch.long)
-        width = max(ln for _, _, ln in pending)
+        width = max(ln for _, _, ln, _ in pending)
         read = torch.empty(len(pending), width, dtype=torch.long)
-        for m, (j, r, ln) in enumerate(pending):
+        for m, (j, r, ln, _) in enumerate(pending):
             known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
             ids[m, : len(known)] = torch.tensor(known)
             read[m] = torch.arange(r, r + width).clamp(max=b - 1)  # slots r .. r+l-1, then padding
-        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _ in pending],
+        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _, _ in pending],
                                      read.to(self.device))  # [m, width, V]
         out: dict[int, list[Branch]] = {}
-        for m, (j, r, ln) in enumerate(pending):
+        for m, (j, r, ln, n_alt) in enumerate(pending):
             span = logits[m, :ln]  # slots r .. r+l-1
             if j in hot_set:
                 seq = seqs[rows[j]]
@@ -196,10 +206,29 @@ class D2SDEngine(SpecEngine):
                 first = first / first.sum()
                 toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
                                                                       if ln > 1 else [])
-                br = Branch(r, toks, [first] + list(q[1:]))
+                mine = [Branch(r, toks, [first] + list(q[1:]))]
+                mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
             else:
-                br = Branch(r, [int(first.argmax())] + q[1:].argmax(-1).tolist())
-            out.setdefault(j, []).append(br)
+                ranked = first.topk(1 + n_alt).indices.tolist() if n_alt else [int(first.argmax())]
+                mine = [Branch(r, [ranked[0]] + q[1:].argmax(-1).tolist())]
+                mine += [Branch(r, [tok]) for tok in ranked[1:]]
+            self.tree_stats["alternatives"] += len(mine) - 1
+            out.setdefault(j, []).extend(mine)
+        return out
+
+    def _sampled_alternatives(self, r: int, dist: torch.Tensor, tried: int, n: int, seq) -> list[Branch]:
+        """Up to n more one-node alternatives for slot r at T > 0. dist is the branch's own first
+        token's distribution (the chain's token already removed), tried that token; each further
+        one is drawn from dist without every token tried before it, renormalised, and carries that
+        distribution, which is what the verifier's rejection step divides by."""
+        out, rest = [], dist.clone()
+        for _ in range(n):
+            rest[tried] = 0.0
+            if float(rest.sum()) <= 0:
+                break
+            rest = rest / rest.sum()
+            tried = int(self._sample(rest[None], [seq])[0])
+            out.append(Branch(r, [tried], rest[None].clone()))
         return out
 
     def _walk(self, seqs, trees: list[TreeRow], logits: torch.Tensor) -> list[PathResult]:
@@ -219,14 +248,16 @@ class D2SDEngine(SpecEngine):
         won, tried = self._beta_obs
         return (won + 4 * self.beta) / (tried + 4)  # a prior worth four slots
 
-    def _alt_rate(self) -> float:
-        """How often a branch's first token is right when the chain's is wrong there (measured)."""
-        won, tried = self._alt_obs
-        return (won + 4 * self.alt_prior) / (tried + 4)
+    def _alt_rate(self, rank: int = 0) -> float:
+        """How often the alternative of this rank at a branch's slot is right when the chain's
+        token is wrong there (measured; the prior halves with each rank)."""
+        won, tried = self._alt_obs[rank]
+        return (won + 4 * self.alt_prior / 2 ** rank) / (tried + 4)
 
     def _observe_branches(self, trees: list[TreeRow], results: list[PathResult], cap) -> None:
         """Continuation slots tried and accepted on branches whose alternative was accepted."""
-        won = tried = alt_won = alt_tried = 0.0
+        won = tried = 0.0
+        alt_won, alt_tried = [0.0] * self.branch_width, [0.0] * self.branch_width
         for tree, r in zip(trees, results):
             chain_end = next((k for k in range(1, tree.size) if tree.parents[k] != k - 1), tree.size)
             on_branch = [n for n in r.path if n >= chain_end]
@@ -234,11 +265,13 @@ class D2SDEngine(SpecEngine):
             firsts = [k for k in range(chain_end, tree.size) if tree.parents[k] < chain_end]
             self.tree_stats["branches"] += len(firsts)
             path = set(r.path)
+            rank: dict[int, int] = {}  # alternatives under one chain node, in the order tried
             for k in firsts:  # tested: its parent was reached and the chain's token there rejected
                 parent = tree.parents[k]
-                if parent in path and parent + 1 not in path:
-                    alt_tried += 1
-                    alt_won += k in path
+                w = rank[parent] = rank.get(parent, -1) + 1
+                if parent in path and parent + 1 not in path and w < self.branch_width:
+                    alt_tried[w] += 1
+                    alt_won[w] += k in path
             self.tree_stats["branch_tokens"] += n_branch
             if on_branch:
                 self.tree_stats["branch_wins"] += 1
@@ -251,7 +284,7 @@ class D2SDEngine(SpecEngine):
                 tried += length
                 won += len(on_branch) - 1
         self._beta_obs = [0.98 * self._beta_obs[0] + won, 0.98 * self._beta_obs[1] + tried]
-        self._alt_obs = [0.98 * self._alt_obs[0] + alt_won, 0.98 * self._alt_obs[1] + alt_tried]
+        self._alt_obs = [[0.98 * o[0] + a, 0.98 * o[1] + t] for o, a, t in zip(self._alt_obs, alt_won, alt_tried)]
 
     def _tree_cost_model(self, bs: int, rows: list[int]) -> TreeCost | None:
         if self.tree_rule == "fixed":

@@ -13,7 +13,12 @@ the continuation's per-slot survival (both measured online by the engine),
     gain(r, l) = f_r * rho * (1 + beta + ... + beta^(l-1)).
 
 It costs l verified tokens and the recovery drafter's rows for one block, plus, once per step
-when anyone branches, the recovery drafter's fixed cost. The chain's own slots are priced the
+when anyone branches, the recovery drafter's fixed cost. A branch may carry up to W - 1 more
+alternatives for slot r (the recovery drafter's next-ranked tokens from the same forward, one
+node each, no continuation): the w-th is right, once the chain's token is wrong, with chance
+rho_w (measured per rank), and only one alternative can be right, so alternative w adds
+f_r * rho_w tokens for one verified token. The plan takes, per branch, the best number of them
+(a prefix of the ranking). The chain's own slots are priced the
 same way (slot k is worth c_1 ... c_k), so the load-aware rule may shorten the chain too. The
 plan maximises expected committed tokens per second of the whole step, the rule the verify
 lengths follow (sglang_adaflash.planner): Dinkelbach's method over a price lambda, each
@@ -59,6 +64,7 @@ class BranchPlan:
     lengths: torch.Tensor  # [n, K] branch length (0 = not taken)
     value: float  # expected committed tokens per second of the plan
     chain: torch.Tensor | None = None  # [n] chain verify lengths (slot 0 included)
+    extra: torch.Tensor | None = None  # [n, K] more alternatives at each branch's slot (0 = none)
 
 
 def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int, f: torch.Tensor | None = None):
@@ -85,19 +91,22 @@ def plan_tree(
     cost: TreeCost | None,
     trim_chain: bool = False,
     rounds: int = 8,
+    alts: tuple[float, ...] | list[float] = (),
 ) -> BranchPlan:
-    """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify.
+    """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify; alts the
+    chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
+    len(alts) of them per branch).
 
     cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
-    as long as fits. Otherwise the plan maximising expected tokens per second; trim_chain lets
+    as long as fits, with every alternative. Otherwise the plan maximising expected tokens per second; trim_chain lets
     it shorten the chains too, slot k kept while its survival c_1 ... c_k pays its verify slot
     at the plan's price (a chain keeps at least one proposal).
     """
     cap = cap.long()
     if cost is None:
         slots, f = candidates(conf, cap, k)
-        longest = (cap[:, None] - slots).clamp(min=0, max=branch_len)
-        return BranchPlan(slots, torch.where(f > 0, longest, 0), float("nan"), cap)
+        longest = torch.where(f > 0, (cap[:, None] - slots).clamp(min=0, max=branch_len), 0)
+        return BranchPlan(slots, longest, float("nan"), cap, torch.where(longest > 0, len(alts), 0))
     # a few dozen numbers per row: numpy on the host is several times faster than torch here
     dev = conf.device
     c = conf.detach().double().cpu().numpy()
@@ -113,6 +122,7 @@ def plan_tree(
     row_cost = cost.per_token * ls + cost.per_branch * (ls > 0)
     kk = min(k, s)
     rows = np.arange(n)[:, None]
+    rho_alt = np.asarray(list(alts), dtype=np.float64)  # [W-1]
 
     def plan_at(lam: float, branching: bool):
         chain = capn
@@ -125,12 +135,19 @@ def plan_tree(
         slots = idx + 1
         longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, branch_len), 0) if branching else np.zeros_like(slots)
         gain = (fk * r_all[rows, idx])[..., None] * cont[None, None]  # [n, K, lmax+1]
-        net = np.where(ls[None, None] > longest[..., None], -np.inf, gain - lam * row_cost)
+        # the best prefix of the further alternatives, worth having only beside a branch (l >= 1)
+        alt_net = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(fk[..., None] * rho_alt - lam * cost.per_token, 2)], 2)
+        extra = alt_net.argmax(-1)  # [n, K]
+        alt_tokens = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(fk[..., None] * rho_alt, 2)], 2)
+        with_alts = np.where(ls[None, None] > 0, alt_net.max(-1)[..., None], 0.0)
+        net = np.where(ls[None, None] > longest[..., None], -np.inf, gain - lam * row_cost + with_alts)
         choice = net.argmax(-1)
-        tokens = tau_at[np.arange(n), chain - 1].sum() + np.take_along_axis(gain, choice[..., None], 2).sum()
-        spent = (cost.fixed + cost.per_token * chain.sum() + row_cost[choice].sum()
+        extra = np.where(choice > 0, extra, 0)
+        tokens = (tau_at[np.arange(n), chain - 1].sum() + np.take_along_axis(gain, choice[..., None], 2).sum()
+                  + np.take_along_axis(alt_tokens, extra[..., None], 2).sum())
+        spent = (cost.fixed + cost.per_token * (chain.sum() + extra.sum()) + row_cost[choice].sum()
                  + cost.branch_fixed * bool((choice > 0).any()))
-        return slots, choice, float(tokens / spent), chain
+        return slots, choice, float(tokens / spent), chain, extra
 
     best = None
     for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
@@ -142,14 +159,14 @@ def plan_tree(
             if plan[2] <= lam * (1 + 1e-7):
                 break
             lam = plan[2]
-    slots, choice, value, chain = best
+    slots, choice, value, chain, extra = best
 
     def t(x):
         return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long, device=dev)
 
-    return BranchPlan(t(slots), t(choice), value, t(chain))
+    return BranchPlan(t(slots), t(choice), value, t(chain), t(extra))
 
 
-def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8) -> BranchPlan:
+def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=()) -> BranchPlan:
     """The plan for chains of fixed lengths (the verify lengths are given)."""
-    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds)
+    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds, alts=alts)

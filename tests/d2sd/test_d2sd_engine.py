@@ -6,6 +6,7 @@ import torch
 
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.d2sd.engine import D2SDEngine
+from sglang_adaflash.d2sd.tree import Branch
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
@@ -52,6 +53,45 @@ def test_greedy_equals_ar_with_joins(target, drafter, oracle, rule, batch):
         assert eng.tree_stats["branch_wins"] > 5, eng.tree_stats  # paths through branches were committed
         taus = eng.stats.committed_tokens / eng.stats.steps
         assert taus > 2
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+@pytest.mark.parametrize("rule", ["fixed", "load_aware"])
+def test_greedy_equals_ar_with_more_alternatives_per_slot(target, drafter, oracle, rule):
+    prompts = _prompts(6, seed=4)
+    max_new = [14, 2, 19, 7, 11, 16]
+    ar = _run(SpecEngine(target, None, mode="ar", max_batch_size=3, max_seq_len=128), prompts, max_new)
+    cls = OracleD2SD if oracle else D2SDEngine
+    eng = cls(target, drafter, recovery_for(drafter), tree_k=2, branch_len=3, branch_width=3, tree_rule=rule,
+              max_batch_size=3, max_seq_len=128, cost_model=StepCostModel(1.0, 1e-4))
+    assert _run(eng, prompts, max_new) == ar
+    assert eng.tree_stats["alternatives"] > 10, eng.tree_stats
+
+
+def test_alternatives_are_tried_and_counted_by_rank(target, drafter):
+    """The oracle ranks the right token second where it corrupts a slot, so at a branch's slot
+    the recovery drafter's second alternative is the one that wins; the rates are kept per rank."""
+    from .conftest import OracleD2SD as Base
+
+    class SecondBest(Base):
+        def _branch_logits(self, seqs, block_ids, rows, read):
+            out = super()._branch_logits(seqs, block_ids, rows, read)
+            vocab = out.shape[-1]
+            for m, i in enumerate(rows):  # a decoy above the oracle's best token at the branch's slot
+                r, first = int(read[m, 0]), out[m, 0]
+                best = int(first.argmax())
+                decoy = next(t for t in range(vocab) if t not in (best, self._chains[i][r - 1]))
+                first[decoy] = first[best] + 1.0
+            return out
+
+    prompts = _prompts(4, seed=6)
+    eng = SecondBest(target, drafter, recovery_for(drafter), tree_k=2, branch_len=2, branch_width=3,
+                     tree_rule="fixed", max_batch_size=4, max_seq_len=128)
+    ar = _run(SpecEngine(target, None, mode="ar", max_batch_size=4, max_seq_len=128), prompts, [20] * 4)
+    assert _run(eng, prompts, [20] * 4) == ar
+    won = [o[0] for o in eng._alt_obs]
+    assert won[0] < won[1] + won[2], eng._alt_obs
+    assert eng._alt_rate(0) < max(eng._alt_rate(1), eng._alt_rate(2))
 
 
 def test_greedy_equals_ar_through_the_torch_cascade(target, drafter):
@@ -113,6 +153,38 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
     assert len({tuple(o.output_ids) for o, r in zip(outs, reqs) if r.sampling.greedy}) == 1
     assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats
     pvalues = _conditional_pvalues(target, sp, samples)
+    if wrong:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-4 / NEW, pvalues
+
+
+class _WrongAlternativeQ(D2SDEngine):
+    """Draws the further alternatives right but tells the verifier the distribution before the
+    earlier tokens were removed: the rejection step then divides by the wrong q."""
+
+    def _sampled_alternatives(self, r, dist, tried, n, seq):
+        out = super()._sampled_alternatives(r, dist, tried, n, seq)
+        return [Branch(b.slot, b.tokens, dist[None].clone()) for b in out]
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_further_alternatives_follow_the_target_at_t_above_zero(wrong):
+    """Three branches a step, one node each, with two more alternatives at each branch's slot:
+    every committed position follows the target. At a higher temperature the drafts are often
+    wrong, so alternatives are tried often; the control gives them the wrong proposal q (p about
+    1e-15 here, the right sampler about 0.1)."""
+    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
+    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    cls = _WrongAlternativeQ if wrong else D2SDEngine
+    eng = cls(target, drafter, recovery, tree_k=3, branch_len=1, branch_width=3, tree_rule="fixed",
+              max_batch_size=64, max_seq_len=32, seed=321)
+    sp = SamplingParams(temperature=1.2, top_k=3, max_new_tokens=NEW)
+    outs = eng.run([Request(list(PROMPT), sp) for _ in range(6000)])
+    assert eng.tree_stats["alternatives"] > 20000, eng.tree_stats
+    assert eng._alt_obs[1][0] > 10, eng._alt_obs  # second alternatives were accepted (decayed count)
+    pvalues = _conditional_pvalues(target, sp, [tuple(o.output_ids) for o in outs])
     if wrong:
         assert min(pvalues) < 1e-6, pvalues
     else:

@@ -100,3 +100,66 @@ def test_trimmed_chain_keeps_the_slots_that_pay():
     kept = mid.chain.item() - 1
     # the last kept slot survives at least as often as the plan's price per verified token asks
     assert reach[kept - 1] >= mid.value * 0.01 * (1 - 1e-6) or kept == 1
+
+
+def test_plan_with_alternatives_is_the_best_by_enumeration():
+    """Each branch may add up to two one-node alternatives (worth f * rho_w, one verified token
+    each, only beside a branch, a prefix of the ranking); the plan beats every enumerated tree."""
+    import itertools
+
+    alts = (0.25, 0.1)
+    g = torch.Generator().manual_seed(1)
+    used = 0
+    for trial in range(6):
+        conf = torch.rand(2, 6, generator=g) * 0.6 + 0.3
+        rho_all = torch.rand(2, 6, generator=g) * 0.6
+        lengths = torch.tensor([7, 6])
+        cost = TreeCost(fixed=float(torch.rand((), generator=g)) * 0.03 + 0.004, per_token=1e-3,
+                        per_branch=float(torch.rand((), generator=g)) * 2e-3, branch_fixed=1e-3)
+        plan = plan_branches(conf, rho_all, lengths, k=2, branch_len=2, beta=0.5, cost=cost, alts=alts)
+        slots, f = candidates(conf, lengths, 2)
+        rho = rho_all.gather(1, slots - 1)
+        room = (lengths[:, None] - slots).clamp(min=0).clamp(max=2)
+        base = float(chain_tau(conf, lengths).sum())
+        best = 0.0
+        for choice in itertools.product([(ln, m) for ln in range(3) for m in range(3) if ln or not m], repeat=4):
+            ls = torch.tensor([c[0] for c in choice]).view(2, 2)
+            ms = torch.tensor([c[1] for c in choice]).view(2, 2)
+            if (ls > room).any():
+                continue
+            gain = sum(float(f[i, j] * rho[i, j]) * sum(0.5 ** s for s in range(int(ls[i, j])))
+                       + float(f[i, j]) * sum(alts[: int(ms[i, j])]) for i in range(2) for j in range(2))
+            spent = cost.fixed + float(ls.sum() + ms.sum() + lengths.sum()) * cost.per_token
+            spent += cost.per_branch * int((ls > 0).sum()) + cost.branch_fixed * bool((ls > 0).any())
+            best = max(best, (base + gain) / spent)
+        assert plan.value >= best * (1 - 1e-5), (trial, plan.value, best)
+        # and the value it reports is that of the tree it returns
+        ls, ms = plan.lengths, plan.extra
+        assert ((ms == 0) | (ls > 0)).all() and (ms <= len(alts)).all()
+        gain = sum(float(f[i, j] * rho[i, j]) * sum(0.5 ** s for s in range(int(ls[i, j])))
+                   + float(f[i, j]) * sum(alts[: int(ms[i, j])]) for i in range(2) for j in range(2))
+        spent = cost.fixed + float(ls.sum() + ms.sum() + lengths.sum()) * cost.per_token
+        spent += cost.per_branch * int((ls > 0).sum()) + cost.branch_fixed * bool((ls > 0).any())
+        assert abs((base + gain) / spent - plan.value) <= 1e-6 * plan.value  # float32 inputs
+        used += int(plan.extra.sum() > 0)
+    assert 0 < used < 6, used  # some plans take alternatives and some do not
+
+
+def test_fixed_rule_takes_every_alternative():
+    plan = _plan(2, None, k=2, branch_len=3)
+    assert (plan.extra == 0).all()
+    conf = torch.tensor([[0.95, 0.6, 0.9, 0.5, 0.9, 0.9, 0.9]])
+    plan = plan_branches(conf, conf * 0 + 0.5, torch.tensor([8]), k=2, branch_len=3, beta=0.7, cost=None, alts=(0.2, 0.1))
+    assert plan.extra.tolist() == [[2, 2]]
+
+
+def test_a_branch_worth_it_only_for_its_alternatives_is_taken():
+    """The branch's own token is rarely right but its alternatives often are: the plan pays the
+    recovery rows for the alternatives' sake."""
+    conf = torch.tensor([[0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]])
+    cost = TreeCost(fixed=0.01, per_token=1e-4, per_branch=5e-4, branch_fixed=5e-4)
+    plan = plan_branches(conf, conf * 0 + 0.01, torch.tensor([8]), k=1, branch_len=2, beta=0.1, cost=cost,
+                         alts=(0.6, 0.3))
+    assert plan.lengths.tolist() == [[1]] and plan.extra.tolist() == [[2]]
+    alone = plan_branches(conf, conf * 0 + 0.01, torch.tensor([8]), k=1, branch_len=2, beta=0.1, cost=cost)
+    assert alone.lengths.tolist() == [[0]]

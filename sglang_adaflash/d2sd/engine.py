@@ -82,6 +82,7 @@ class D2SDEngine(SpecEngine):
         self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
         self._raw_conf: dict[int, torch.Tensor] = {}
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
+        self._last_value = 0.0  # the last plan's tokens per second: the next plan's first price
         self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0}
 
     # -- the two drafting calls (tests override them with oracles) -------------------------
@@ -160,7 +161,9 @@ class D2SDEngine(SpecEngine):
         plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
                          beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
                          trim_chain=self.tree_rule == "load_aware" and self.trim_chain,
-                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)])
+                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)], start=self._last_value)
+        if plan.value == plan.value:  # nan under the fixed rule
+            self._last_value = plan.value
         chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
         extra_l = plan.extra.tolist()
         chain_len = plan.chain.tolist()

@@ -92,10 +92,14 @@ def plan_tree(
     trim_chain: bool = False,
     rounds: int = 8,
     alts: tuple[float, ...] | list[float] = (),
+    start: float = 0.0,
 ) -> BranchPlan:
     """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify; alts the
     chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
-    len(alts) of them per branch).
+    len(alts) of them per branch). start: a first price to try (the previous step's plan value,
+    which is usually close), so the iteration mostly ends after two rounds instead of three or
+    four; from any start the prices rise to the same fixed point once a real plan's value is
+    the price.
 
     cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
     as long as fits, with every alternative. Otherwise the plan maximising expected tokens per second; trim_chain lets
@@ -151,12 +155,13 @@ def plan_tree(
 
     best = None
     for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
-        lam = 0.0
-        for _ in range(rounds):
+        lam = max(start, 0.0)
+        for i in range(rounds):
             plan = plan_at(lam, branching)
             if best is None or plan[2] > best[2]:
                 best = plan
-            if plan[2] <= lam * (1 + 1e-7):
+            # a price that is a real plan's value cannot be beaten by less; a guessed one can
+            if plan[2] <= lam * (1 + 1e-7) and (i > 0 or start <= 0):
                 break
             lam = plan[2]
     slots, choice, value, chain, extra = best
@@ -167,6 +172,7 @@ def plan_tree(
     return BranchPlan(t(slots), t(choice), value, t(chain), t(extra))
 
 
-def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=()) -> BranchPlan:
+def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=(), start=0.0) -> BranchPlan:
     """The plan for chains of fixed lengths (the verify lengths are given)."""
-    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds, alts=alts)
+    return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds, alts=alts,
+                     start=start)

@@ -133,6 +133,10 @@ def test_plan_with_alternatives_is_the_best_by_enumeration():
             spent += cost.per_branch * int((ls > 0).sum()) + cost.branch_fixed * bool((ls > 0).any())
             best = max(best, (base + gain) / spent)
         assert plan.value >= best * (1 - 1e-5), (trial, plan.value, best)
+        for start in (0.4 * best, 3.0 * best):  # a warm first price, too low or too high, ends there too
+            warm = plan_branches(conf, rho_all, lengths, k=2, branch_len=2, beta=0.5, cost=cost, alts=alts,
+                                 start=start)
+            assert warm.value >= best * (1 - 1e-5), (trial, start, warm.value, best)
         # and the value it reports is that of the tree it returns
         ls, ms = plan.lengths, plan.extra
         assert ((ms == 0) | (ls > 0)).all() and (ms <= len(alts)).all()

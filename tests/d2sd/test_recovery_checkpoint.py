@@ -56,9 +56,17 @@ def test_good_recovery_drafter_serves_d2sd_equal_to_ar(tiny_pair, tmp_path, caps
                                  "--tree-rule", rule)
         assert rc == 0, err
         assert out[0]["output_ids"] == ar[0]["output_ids"]
-    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--tree-attention", "torch")
-    assert rc == 0, err
-    assert out[0]["output_ids"] == ar[0]["output_ids"]
+    for flags in (["--tree-attention", "torch"], ["--branch-width", 3, "--tree-rule", "fixed"]):
+        rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, *flags)
+        assert rc == 0, err
+        assert out[0]["output_ids"] == ar[0]["output_ids"]
+
+
+def test_branch_width_zero_is_refused(tiny_pair, tmp_path, capsys):
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--branch-width", 0)
+    assert rc == 2 and not out and "Traceback" not in err
+    assert "--branch-width must be >= 1" in err.strip().splitlines()[-1]
 
 
 def test_flashinfer_tree_attention_off_cuda_is_refused(tiny_pair, tmp_path, capsys):

@@ -187,7 +187,7 @@ class D2SDEngine(SpecEngine):
         ids = torch.full((len(pending), b), self.drafter.config.mask_token_id, dtype=torch.long)
         width = max(ln for _, _, ln, _ in pending)
         read = torch.empty(len(pending), width, dtype=torch.long)
-        for m, (j, r, ln, _) in enumerate(pending):
+        for m, (j, r, _, _) in enumerate(pending):
             known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
             ids[m, : len(known)] = torch.tensor(known)
             read[m] = torch.arange(r, r + width).clamp(max=b - 1)  # slots r .. r+l-1, then padding

@@ -98,5 +98,5 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
     if opts is None or getattr(pair, "recovery", None) is None:
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
-                      branch_width=opts.branch_width,
-                      tree_rule=opts.tree_rule, tree_attention=opts.tree_attention, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+                      branch_width=opts.branch_width, tree_rule=opts.tree_rule, tree_attention=opts.tree_attention,
+                      max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

@@ -18,8 +18,8 @@ alternatives for slot r (the recovery drafter's next-ranked tokens from the same
 node each, no continuation): the w-th is right, once the chain's token is wrong, with chance
 rho_w (measured per rank), and only one alternative can be right, so alternative w adds
 f_r * rho_w tokens for one verified token. The plan takes, per branch, the best number of them
-(a prefix of the ranking). The chain's own slots are priced the
-same way (slot k is worth c_1 ... c_k), so the load-aware rule may shorten the chain too. The
+(a prefix of the ranking). The chain's own slots are priced the same way (slot k is worth
+c_1 ... c_k), so the load-aware rule may shorten the chain too. The
 plan maximises expected committed tokens per second of the whole step, the rule the verify
 lengths follow (sglang_adaflash.planner): Dinkelbach's method over a price lambda, each
 candidate taking the l that maximises gain - lambda * cost (0 = no branch). At high concurrency
@@ -102,9 +102,9 @@ def plan_tree(
     the price.
 
     cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
-    as long as fits, with every alternative. Otherwise the plan maximising expected tokens per second; trim_chain lets
-    it shorten the chains too, slot k kept while its survival c_1 ... c_k pays its verify slot
-    at the plan's price (a chain keeps at least one proposal).
+    as long as fits, with every alternative. Otherwise the plan maximising expected tokens per
+    second; trim_chain lets it shorten the chains too, slot k kept while its survival
+    c_1 ... c_k pays its verify slot at the plan's price (a chain keeps at least one proposal).
     """
     cap = cap.long()
     if cost is None:

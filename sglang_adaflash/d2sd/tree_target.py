@@ -43,13 +43,12 @@ def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: t
     cos, sin = target.backbone.rotary_emb(x[None], positions.reshape(1, -1))
     cos, sin = cos[0].view(bs, n, 1, hd), sin[0].view(bs, n, 1, hd)
     c = int(starts.max())
-    ctx_ok = torch.arange(c, device=dev)[None] < starts[:, None]  # [bs, C]
     mask = None
     if cascade is None:
+        ctx_ok = torch.arange(c, device=dev)[None] < starts[:, None]  # [bs, C]
         mask = torch.cat([ctx_ok[:, None, :].expand(bs, n, c), tree.ancestors], dim=-1)[:, None]  # [bs,1,N,C+N]
-    scale = getattr(target.backbone.layers[0].self_attn, "scaling", None)
-    if cascade is not None:
-        cfg = target.config
+    else:
+        cfg, scale = target.config, getattr(target.backbone.layers[0].self_attn, "scaling", None)
         cascade.plan(starts, tree.ancestors, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                      head_dim=hd, dtype=x.dtype, scale=hd ** -0.5 if scale is None else scale, context=c,
                      page_size=cache.capacity)

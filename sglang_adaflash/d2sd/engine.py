@@ -22,8 +22,8 @@ from . import TREE_RULES, cascade
 from .recovery import TreeCost, plan_tree
 from .recovery_drafter import TreeProposer
 from .tree import Branch, TreeRow, build_row, flatten
-from .tree_target import commit_paths, gather_nodes, tree_forward
-from .tree_verify import PathResult, greedy_walk, sampling_walk
+from .tree_target import TreeForward, commit_paths, gather_nodes, tree_forward
+from .tree_verify import PathResult, greedy_reads, greedy_walk, sampling_walk
 
 
 class D2SDEngine(SpecEngine):
@@ -116,7 +116,7 @@ class D2SDEngine(SpecEngine):
         flat = flatten(trees, self.device)
         starts = torch.tensor([s.cache_len for s in seqs], device=self.device)
         fwd = tree_forward(self.target, self.cache, flat, starts, self._cascade)
-        results = self._walk(seqs, trees, fwd.logits)
+        results = self._walk(seqs, trees, fwd)
         width = max(len(r.path) for r in results)
         paths = torch.zeros(bs, width, dtype=torch.long)
         for i, r in enumerate(results):
@@ -234,17 +234,39 @@ class D2SDEngine(SpecEngine):
             out.append(Branch(r, [tried], rest[None].clone()))
         return out
 
-    def _walk(self, seqs, trees: list[TreeRow], logits: torch.Tensor) -> list[PathResult]:
-        ids = logits.argmax(-1).tolist()
-        out = []
-        for i, (seq, tree) in enumerate(zip(seqs, trees)):
-            if seq.req.sampling.greedy:
-                out.append(greedy_walk(tree, ids[i][: tree.size]))
-                continue
-            temp, top_k, top_p = self._sampling_tensors([seq], tree.size)
-            p = filtered_probs(logits[i, : tree.size], temp, top_k, top_p)
-            out.append(sampling_walk(tree, p, self._generator_of(seq)))
+    def _walk(self, seqs, trees: list[TreeRow], fwd: TreeForward) -> list[PathResult]:
+        """Each row's accepted path. A greedy row's logits are computed where its walk can read
+        them: the chain's nodes, then the branch nodes at the node where the chain stops
+        (tree_verify.greedy_reads), in two batched LM-head calls; a sampled row's at every node,
+        since its walk may leave the chain at any node."""
+        out: list[PathResult | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.req.sampling.greedy]
+        if greedy:
+            for i, r in zip(greedy, self._greedy_walks([trees[i] for i in greedy], greedy, fwd)):
+                out[i] = r
+        hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
+        if hot:
+            n = max(trees[i].size for i in hot)
+            logits = fwd.lm_head(fwd.hidden[torch.tensor(hot, device=self.device), :n])
+            for j, i in enumerate(hot):
+                seq, tree = seqs[i], trees[i]
+                temp, top_k, top_p = self._sampling_tensors([seq], tree.size)
+                p = filtered_probs(logits[j, : tree.size], temp, top_k, top_p)
+                out[i] = sampling_walk(tree, p, self._generator_of(seq))
         return out
+
+    def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:
+        chain = [t.chain_length for t in trees]
+        index = torch.tensor(rows, device=self.device)
+        chain_ids = fwd.lm_head(fwd.hidden[index, : max(chain)]).argmax(-1).tolist()
+        ids = [c[:n] + [-1] * (t.size - n) for c, n, t in zip(chain_ids, chain, trees)]
+        reads = [(j, node) for j, t in enumerate(trees) for node in greedy_reads(t, chain_ids[j])]
+        if reads:
+            at_rows = torch.tensor([rows[j] for j, _ in reads], device=self.device)
+            at_nodes = torch.tensor([node for _, node in reads], device=self.device)
+            for (j, node), tok in zip(reads, fwd.logits_at(at_rows, at_nodes).argmax(-1).tolist()):
+                ids[j][node] = tok
+        return [greedy_walk(t, i) for t, i in zip(trees, ids)]
 
     # -- costs and the branch survival -----------------------------------------------------
     def _beta(self) -> float:

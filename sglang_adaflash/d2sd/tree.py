@@ -40,6 +40,14 @@ class TreeRow:
     def size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def chain_length(self) -> int:
+        """Nodes 0 .. chain_length - 1 are node 0 and the chain (build_row puts them first)."""
+        n = 1
+        while n < self.size and self.parents[n] == n - 1 and self.depths[n] == n:
+            n += 1
+        return n
+
     def children(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.tokens]
         for i, p in enumerate(self.parents):

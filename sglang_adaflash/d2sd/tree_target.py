@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..core.kv_cache import SlotKVCache
 from ..core.layers import apply_rope, attention
@@ -24,9 +25,29 @@ from .tree import FlatTree
 
 @dataclass
 class TreeForward:
-    logits: torch.Tensor  # [bs, N, V]: node i's logits predict the token after node i
+    """The verify forward's states; logits are computed from `hidden` on demand.
+
+    The LM head is the largest matmul of a small target's forward (a quarter of this pair's
+    per-token compute), and a greedy walk reads the logits of few nodes: the chain's and those
+    of the branches at the one node where the chain stops (tree_verify.greedy_nodes). Callers
+    take the rows they need with logits_at; `logits` gives every node's.
+    """
+
+    hidden: torch.Tensor  # [bs, N, H] final normed states: node i's predicts the token after node i
     aux: torch.Tensor | None  # [bs, N, K*H] captured hidden states for the drafters' context
     node_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [bs, kvh, N, hd] x2 (RoPE'd)
+    lm_head: nn.Module
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[bs, N, V] at every node (padding included)."""
+        with torch.inference_mode():
+            return self.lm_head(self.hidden)
+
+    def logits_at(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """[k, V] at nodes[j] of row rows[j]."""
+        with torch.inference_mode():
+            return self.lm_head(self.hidden[rows, nodes])
 
 
 @torch.inference_mode()
@@ -78,11 +99,10 @@ def tree_forward(target: HFTarget, cache: SlotKVCache, tree: FlatTree, starts: t
     x = _norm(target.backbone.norm, x)
     if target.num_layers - 1 in capture:
         captured[target.num_layers - 1] = x
-    logits = target.lm_head(x).view(bs, n, -1)
     aux = None
     if target.capture_layer_ids:
         aux = torch.cat([captured[i] for i in target.capture_layer_ids], dim=-1).view(bs, n, -1)
-    return TreeForward(logits, aux, node_kv)
+    return TreeForward(x.view(bs, n, -1), aux, node_kv, target.lm_head)
 
 
 @torch.inference_mode()

@@ -34,12 +34,33 @@ class PathResult:
         return len(self.path) - 1
 
 
+def greedy_reads(row: TreeRow, chain_ids: list[int]) -> list[int]:
+    """The nodes past the chain whose argmax a greedy walk may read, given the target's argmax
+    at the chain's nodes (chain_ids[k] after chain node k): those hung, directly or down a
+    branch, at the chain node where the walk stops following the chain. A branch token never
+    equals its chain sibling's, and children are tried chain first, so the walk leaves the chain
+    at the first node whose argmax is not the chain's next token, or not at all."""
+    n_chain = row.chain_length
+    stop = next((k for k in range(n_chain - 1) if chain_ids[k] != row.tokens[k + 1]), n_chain - 1)
+    anchor: dict[int, int] = {}
+    out = []
+    for node in range(n_chain, row.size):
+        parent = row.parents[node]
+        anchor[node] = parent if parent < n_chain else anchor[parent]
+        if anchor[node] == stop:
+            out.append(node)
+    return out
+
+
 def greedy_walk(row: TreeRow, target_ids: list[int]) -> PathResult:
-    """target_ids[i] = the target's argmax after node i."""
+    """target_ids[i] = the target's argmax after node i; nodes the walk cannot reach may hold -1
+    (not computed), and reading one is an error."""
     kids = row.children()
     path, cur = [0], 0
     while True:
         want = target_ids[cur]
+        if want < 0:
+            raise RuntimeError(f"greedy walk reached node {cur}, whose target argmax was not computed")
         nxt = next((c for c in kids[cur] if row.tokens[c] == want), None)
         if nxt is None:
             return PathResult(path, [row.tokens[i] for i in path[1:]] + [want])

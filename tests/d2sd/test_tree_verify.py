@@ -127,3 +127,53 @@ def test_branches_are_used():
         tp = torch.stack([p1, p2[d1], p3[d1, 0], p2[a1], p3[a1, 0]])
         wins += 3 in sampling_walk(row, tp, g).path
     assert wins > 50
+
+
+def test_greedy_reads_name_the_branch_nodes_at_the_chains_stop():
+    row = build_row(7, [11, 12, 13, 14], [Branch(1, [21, 22, 23]), Branch(1, [24]), Branch(3, [31, 32])])
+    # nodes: 0:7 1:11 2:12 3:13 4:14 | 5:21 6:22 7:23 | 8:24 | 9:31 10:32
+    assert row.chain_length == 5
+    assert tree_verify.greedy_reads(row, [21, 0, 0, 0, 0]) == [5, 6, 7, 8]  # stops at node 0
+    assert tree_verify.greedy_reads(row, [11, 12, 31, 0, 0]) == [9, 10]  # stops at node 2
+    assert tree_verify.greedy_reads(row, [11, 0, 0, 0, 0]) == []  # stops at node 1: no branch there
+    assert tree_verify.greedy_reads(row, [11, 12, 13, 14, 0]) == []  # the whole chain
+
+
+def _random_row(g: torch.Generator, vocab: int = 6):
+    n = int(torch.randint(1, 8, (1,), generator=g))
+    chain = torch.randint(vocab, (n,), generator=g).tolist()
+    branches = []
+    for _ in range(int(torch.randint(0, 5, (1,), generator=g))):
+        slot = int(torch.randint(1, n + 1, (1,), generator=g))
+        length = int(torch.randint(1, 4, (1,), generator=g))
+        first = (chain[slot - 1] + int(torch.randint(1, vocab, (1,), generator=g))) % vocab  # != the chain's
+        branches.append(Branch(slot, [first] + torch.randint(vocab, (length - 1,), generator=g).tolist()))
+    return build_row(int(torch.randint(vocab, (1,), generator=g)), chain, branches)
+
+
+def test_a_walk_on_the_chain_and_the_greedy_reads_equals_a_walk_on_every_node():
+    """The engine computes the target's argmax only at the chain's nodes and at greedy_reads;
+    over random trees and targets (a small vocabulary, so walks often enter branches) the walk
+    on those alone must be the walk on every node's argmax."""
+    g = torch.Generator().manual_seed(5)
+    entered, skipped = 0, 0
+    for _ in range(3000):
+        row = _random_row(g)
+        full = torch.randint(6, (row.size,), generator=g).tolist()
+        n = row.chain_length
+        lazy = full[:n] + [-1] * (row.size - n)
+        reads = tree_verify.greedy_reads(row, full[:n])
+        for node in reads:
+            lazy[node] = full[node]
+        want = greedy_walk(row, full)
+        got = greedy_walk(row, lazy)
+        assert (got.path, got.tokens) == (want.path, want.tokens)
+        entered += any(p >= n for p in want.path)
+        skipped += row.size - n - len(reads)
+    assert entered > 300 and skipped > 1000  # both cases are exercised, and the reads do save rows
+
+
+def test_a_walk_that_reads_an_uncomputed_node_fails_loudly():
+    row = build_row(7, [11], [Branch(1, [21, 22])])
+    with pytest.raises(RuntimeError, match="not computed"):
+        greedy_walk(row, [21, -1, -1, -1])

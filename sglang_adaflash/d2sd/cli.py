@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import CLIError
-from . import TREE_RULES
+from . import BRANCH_DRAFTERS, TREE_RULES
 from .cascade import BACKENDS as TREE_ATTENTION
 
 RECOVERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "recovery_drafter"
@@ -21,6 +21,7 @@ class D2SDOptions:
     branch_width: int = 1
     tree_rule: str = "load_aware"
     tree_attention: str = "auto"
+    branch_drafter: str = "recovery"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +54,10 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
                         f"next-ranked tokens there, one node each (default {D2SDOptions.branch_width})")
     g.add_argument("--tree-rule", choices=TREE_RULES, default=D2SDOptions.tree_rule,
                    help="load_aware: the step's cost decides how much of the tree to use (default); fixed: all of it")
+    g.add_argument("--branch-drafter", choices=BRANCH_DRAFTERS, default=D2SDOptions.branch_drafter,
+                   help="who proposes the branches: the recovery drafter (default, D2SD), or `first`: the first "
+                        "drafter's next-ranked tokens at each recovery point, one node per branch, no second "
+                        "drafter and no --recovery-drafter needed (the one-drafter token tree baseline)")
     g.add_argument("--tree-attention", choices=TREE_ATTENTION, default=D2SDOptions.tree_attention,
                    help="how the target attends over a tree: cascade attention through FlashInfer (CUDA, float16/"
                         "bfloat16), `torch` (the same two levels in torch), or one `masked` call; auto (default) "
@@ -62,14 +67,15 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
 def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
     if "d2sd" not in modes:
         return None
-    if args.recovery_drafter is None:
-        raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
+    if args.recovery_drafter is None and args.branch_drafter == "recovery":
+        raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`), "
+                       "or --branch-drafter first for trees from the first drafter alone")
     if args.branch_len < 1:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
     if args.branch_width < 1:
         raise CLIError(f"--branch-width must be >= 1, got {args.branch_width}")
     return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.branch_width, args.tree_rule,
-                       args.tree_attention)
+                       args.tree_attention, args.branch_drafter)
 
 
 def attach_recovery(pair, options: D2SDOptions | None) -> None:
@@ -81,6 +87,10 @@ def attach_recovery(pair, options: D2SDOptions | None) -> None:
         return
     if pair.drafter is None:
         raise CLIError("mode d2sd needs --drafter DIR (the first drafter) as well as --recovery-drafter")
+    pair.recovery = None
+    if options.branch_drafter == "first":  # the second drafter is not used (nor loaded)
+        pair.d2sd = options
+        return
     try:
         pair.recovery = load_recovery_drafter(options.recovery_drafter, pair.drafter, dtype=pair.target.dtype,
                                               device=pair.target.device)
@@ -95,8 +105,8 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
     from .engine import D2SDEngine
 
     opts = getattr(pair, "d2sd", None)
-    if opts is None or getattr(pair, "recovery", None) is None:
+    if opts is None or (getattr(pair, "recovery", None) is None and opts.branch_drafter == "recovery"):
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
                       branch_width=opts.branch_width, tree_rule=opts.tree_rule, tree_attention=opts.tree_attention,
-                      max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+                      branch_drafter=opts.branch_drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

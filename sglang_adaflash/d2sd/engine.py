@@ -18,7 +18,7 @@ from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecEngine, _Seq
 from ..target.hf_target import HFTarget
-from . import TREE_RULES, cascade
+from . import BRANCH_DRAFTERS, TREE_RULES, cascade
 from .recovery import TreeCost, plan_tree
 from .recovery_drafter import TreeProposer
 from .tree import Branch, TreeRow, build_row, flatten
@@ -38,6 +38,7 @@ class D2SDEngine(SpecEngine):
         branch_width: int = 1,
         tree_rule: str = "load_aware",
         tree_attention: str = "auto",
+        branch_drafter: str = "recovery",
         beta: float = 0.5,
         alt_prior: float = 0.3,
         max_batch_size: int = 64,
@@ -51,16 +52,27 @@ class D2SDEngine(SpecEngine):
         takes all of it. `beta` is the prior per-slot survival of a branch's continuation and
         `alt_prior` the prior chance that a branch's first token is right where the chain fails;
         both are then measured as the engine serves. `tree_attention` picks how the target attends
-        over the trees (cascade.py: auto = FlashInfer's cascade attention where it fits)."""
-        if drafter is None or recovery is None:
+        over the trees (cascade.py: auto = FlashInfer's cascade attention where it fits).
+
+        `branch_drafter` "first" builds the tree without the second drafter: each branch is one
+        node, the first drafter's next-ranked token at the slot (its later slots are conditioned
+        on the chain's token there, so they cannot continue an alternative), and `branch_len` is
+        1 whatever was asked. It costs verify tokens only, no drafter forward: the baseline that
+        does a tree's job with one drafter, and `recovery` may then be None."""
+        if branch_drafter not in BRANCH_DRAFTERS:
+            raise ValueError(f"branch_drafter must be one of {BRANCH_DRAFTERS}, got {branch_drafter!r}")
+        if drafter is None or (recovery is None and branch_drafter == "recovery"):
             raise ValueError("mode 'd2sd' needs a drafter and a recovery drafter (--recovery-drafter DIR)")
         if tree_k < 0 or branch_len < 1 or branch_width < 1:
             raise ValueError(f"d2sd needs tree_k >= 0, branch_len >= 1 and branch_width >= 1, got {tree_k}, "
                              f"{branch_len} and {branch_width}")
         if tree_rule not in TREE_RULES:
             raise ValueError(f"tree_rule must be one of {TREE_RULES}, got {tree_rule!r}")
+        if branch_drafter == "first":
+            recovery = None  # neither run nor given a context
         for d in (drafter, recovery):
-            d.share_target_modules(target.embed_tokens, target.lm_head)
+            if d is not None:
+                d.share_target_modules(target.embed_tokens, target.lm_head)
         capacity = max_seq_len + drafter.config.block_size + 1
         proposer = TreeProposer(drafter, recovery, num_slots=max_batch_size, capacity=capacity)
         proposer.target_layer_ids = list(drafter.config.target_layer_ids)
@@ -71,7 +83,9 @@ class D2SDEngine(SpecEngine):
         self.tree_attention = cascade.select(tree_attention, self.device, target.dtype, target.head_dim)
         self._cascade = cascade.make(self.tree_attention, self.device)
         self.recovery = recovery
-        self.tree_k, self.branch_len, self.tree_rule = tree_k, branch_len, tree_rule
+        self.branch_drafter = branch_drafter
+        self.tree_k, self.tree_rule = tree_k, tree_rule
+        self.branch_len = 1 if branch_drafter == "first" else branch_len
         self.branch_width = branch_width
         self.trim_chain = True  # under load_aware, the chain's length is planned too
         self.beta = beta
@@ -170,7 +184,12 @@ class D2SDEngine(SpecEngine):
         self._raw_conf = {i: top1[j, : chain_len[j] - 1] for j, i in enumerate(rows)}
         hot_set = set(hot)
         pending = [(j, r, ln, w) for j in range(len(rows)) for r, ln, w in zip(slots_l[j], lens_l[j], extra_l[j]) if ln >= 1]
-        branches = self._branches(seqs, rows, chain_l, pending, hot_set) if pending else {}
+        if not pending:
+            branches = {}
+        elif self.branch_drafter == "first":
+            branches = self._first_drafter_branches(seqs, rows, chain_l, pending, hot_set, q)
+        else:
+            branches = self._branches(seqs, rows, chain_l, pending, hot_set)
         for j, i in enumerate(rows):
             n_chain = chain_len[j] - 1
             chain_q = q[j, :n_chain] if j in hot_set else None
@@ -215,6 +234,29 @@ class D2SDEngine(SpecEngine):
                 ranked = first.topk(1 + n_alt).indices.tolist() if n_alt else [int(first.argmax())]
                 mine = [Branch(r, [ranked[0]] + q[1:].argmax(-1).tolist())]
                 mine += [Branch(r, [tok]) for tok in ranked[1:]]
+            self.tree_stats["alternatives"] += len(mine) - 1
+            out.setdefault(j, []).extend(mine)
+        return out
+
+    def _first_drafter_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
+        """Branches without the second drafter: for (row j, slot r, _, w more alternatives), the
+        first drafter's best tokens at slot r other than the chain's, one node each (at T > 0 the
+        first drawn from its distribution q without the chain's token, each further one without
+        every token tried before it, as in _sampled_alternatives)."""
+        out: dict[int, list[Branch]] = {}
+        for j, r, _, n_alt in pending:
+            dist = q[j, r - 1].clone()  # slot r's distribution (filtered at T > 0)
+            if j in hot_set:
+                seq = seqs[rows[j]]
+                dist[chain_l[j][r - 1]] = 0.0
+                if float(dist.sum()) <= 0:
+                    continue
+                dist = dist / dist.sum()
+                tok = int(self._sample(dist[None], [seq])[0])
+                mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
+            else:
+                dist[chain_l[j][r - 1]] = float("-inf")
+                mine = [Branch(r, [t]) for t in dist.topk(1 + n_alt).indices.tolist()]
             self.tree_stats["alternatives"] += len(mine) - 1
             out.setdefault(j, []).extend(mine)
         return out
@@ -315,8 +357,8 @@ class D2SDEngine(SpecEngine):
         if self.tree_rule == "fixed":
             return None
         c = self._cost(bs)
-        if self._tree_cost is None:
-            self._tree_cost = self._profile_recovery()
+        if self._tree_cost is None:  # a first-drafter branch costs its verify token only
+            self._tree_cost = (0.0, 0.0) if self.branch_drafter == "first" else self._profile_recovery()
         per_branch, branch_fixed = self._tree_cost
         # the chain's drafting is paid already; undrafted rows verify their bonus token
         fixed = c.fixed + c.draft_fixed + c.per_draft * len(rows) + c.per_token * (bs - len(rows))

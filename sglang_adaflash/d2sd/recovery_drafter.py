@@ -71,11 +71,15 @@ class TreeProposer(DFlashProposer):
     """The first drafter's proposer, plus the recovery drafter's own context cache.
 
     Both drafters read the same committed target features; extend_context and move keep the two
-    caches in step, so the engine's prefill, catch-up and retirement paths serve both.
+    caches in step, so the engine's prefill, catch-up and retirement paths serve both. Without a
+    recovery drafter (trees from the first drafter alone) it is the first drafter's proposer.
     """
 
-    def __init__(self, drafter: DFlashDrafter, recovery: DFlashDrafter, *, num_slots: int, capacity: int):
+    def __init__(self, drafter: DFlashDrafter, recovery: DFlashDrafter | None, *, num_slots: int, capacity: int):
         super().__init__(drafter, num_slots=num_slots, capacity=capacity)
+        self.recovery, self.rcache = recovery, None
+        if recovery is None:
+            return
         cfg = recovery.config
         self.recovery = recovery
         ref = recovery.fc.weight
@@ -85,6 +89,8 @@ class TreeProposer(DFlashProposer):
     @torch.inference_mode()
     def extend_context(self, target_hidden, starts, slots) -> None:
         super().extend_context(target_hidden, starts, slots)
+        if self.recovery is None:
+            return
         a = target_hidden.shape[1]
         positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
         kv = self.recovery.context_kv(self.recovery.project_context(target_hidden), positions)
@@ -98,7 +104,8 @@ class TreeProposer(DFlashProposer):
 
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)
-        self.rcache.move(src, dst, length)
+        if self.rcache is not None:
+            self.rcache.move(src, dst, length)
 
     @torch.inference_mode()
     def propose_branches(self, block_ids: torch.Tensor, ctx_lens: torch.Tensor, slots: torch.Tensor,

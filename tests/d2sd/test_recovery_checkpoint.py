@@ -62,6 +62,17 @@ def test_good_recovery_drafter_serves_d2sd_equal_to_ar(tiny_pair, tmp_path, caps
         assert out[0]["output_ids"] == ar[0]["output_ids"]
 
 
+def test_first_drafter_branches_need_no_recovery_drafter(tiny_pair, capsys):
+    """--branch-drafter first: trees from the first drafter alone, equal to ar, no
+    --recovery-drafter asked for (a path given anyway is not loaded)."""
+    ar = _generate(capsys, tiny_pair, mode="ar")[1]
+    for extra in ([], ["--recovery-drafter", "/nonexistent"]):
+        rc, out, err = _generate(capsys, tiny_pair, "--branch-drafter", "first", "--tree-k", 3, "--branch-width", 2,
+                                 "--tree-rule", "fixed", *extra)
+        assert rc == 0, err
+        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+
+
 def test_branch_width_zero_is_refused(tiny_pair, tmp_path, capsys):
     rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
     rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--branch-width", 0)

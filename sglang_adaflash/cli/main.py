@@ -15,7 +15,7 @@ from ..launch.engine_factory import model_dir_arg
 
 MODES = ("ar", "dflash", "adaflash", "d2sd")
 BENCH_MODES = ("hf",) + MODES
-DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter
+DEFAULT_BENCH_MODES = ("hf", "ar", "dflash", "adaflash")  # d2sd needs --recovery-drafter or --branch-drafter first
 SERVE_MODES = ("ar", "dflash", "adaflash")  # the demo loop's serving modes (it does not run d2sd yet)
 
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help="JSONL, one object per line: 'prompt' (text) or 'prompt_ids'; optional 'id', 'domain', 'max_new_tokens'")
     g.add_argument("--mode", choices=MODES, default="adaflash", help="ar = plain decoding; dflash = whole block; adaflash = length head (default); "
-                   "d2sd = draft trees with a recovery drafter (--recovery-drafter)")
+                   "d2sd = draft trees with a recovery drafter (--recovery-drafter), or from the first drafter alone "
+                        "(--branch-drafter first)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")

@@ -74,6 +74,8 @@ def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
     if args.branch_width < 1:
         raise CLIError(f"--branch-width must be >= 1, got {args.branch_width}")
+    if args.branch_drafter == "first":  # recorded as run: no second drafter, one-node branches
+        return D2SDOptions(None, args.tree_k, 1, args.branch_width, args.tree_rule, args.tree_attention, "first")
     return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.branch_width, args.tree_rule,
                        args.tree_attention, args.branch_drafter)
 
@@ -86,7 +88,7 @@ def attach_recovery(pair, options: D2SDOptions | None) -> None:
     if options is None:
         return
     if pair.drafter is None:
-        raise CLIError("mode d2sd needs --drafter DIR (the first drafter) as well as --recovery-drafter")
+        raise CLIError("mode d2sd needs --drafter DIR (the first drafter)")
     pair.recovery = None
     if options.branch_drafter == "first":  # the second drafter is not used (nor loaded)
         pair.d2sd = options

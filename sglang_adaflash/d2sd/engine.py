@@ -55,9 +55,9 @@ class D2SDEngine(SpecEngine):
         over the trees (cascade.py: auto = FlashInfer's cascade attention where it fits).
 
         `branch_drafter` "first" builds the tree without the second drafter: each branch is one
-        node, the first drafter's next-ranked token at the slot (its later slots are conditioned
-        on the chain's token there, so they cannot continue an alternative), and `branch_len` is
-        1 whatever was asked. It costs verify tokens only, no drafter forward: the baseline that
+        node, the first drafter's next-ranked token at the slot (its later slots follow its own
+        likeliest continuation, not an alternative, so they cannot continue one), and
+        `branch_len` is 1 whatever was asked. It costs verify tokens only, no drafter forward: the baseline that
         does a tree's job with one drafter, and `recovery` may then be None."""
         if branch_drafter not in BRANCH_DRAFTERS:
             raise ValueError(f"branch_drafter must be one of {BRANCH_DRAFTERS}, got {branch_drafter!r}")
@@ -300,9 +300,16 @@ class D2SDEngine(SpecEngine):
     def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:
         chain = [t.chain_length for t in trees]
         index = torch.tensor(rows, device=self.device)
-        chain_ids = fwd.lm_head(fwd.hidden[index, : max(chain)]).argmax(-1).tolist()
+        width = max(chain)
+        chain_ids = fwd.lm_head(fwd.hidden[index, :width]).argmax(-1).tolist()
         ids = [c[:n] + [-1] * (t.size - n) for c, n, t in zip(chain_ids, chain, trees)]
-        reads = [(j, node) for j, t in enumerate(trees) for node in greedy_reads(t, chain_ids[j])]
+        reads = []
+        for j, t in enumerate(trees):
+            for node in greedy_reads(t, chain_ids[j]):
+                if node < width:  # inside the first call's rows already (a row with a shorter chain)
+                    ids[j][node] = chain_ids[j][node]
+                else:
+                    reads.append((j, node))
         if reads:
             at_rows = torch.tensor([rows[j] for j, _ in reads], device=self.device)
             at_nodes = torch.tensor([node for _, node in reads], device=self.device)

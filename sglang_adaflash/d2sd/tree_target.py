@@ -27,9 +27,9 @@ from .tree import FlatTree
 class TreeForward:
     """The verify forward's states; logits are computed from `hidden` on demand.
 
-    The LM head is the largest matmul of a small target's forward (a quarter of this pair's
-    per-token compute), and a greedy walk reads the logits of few nodes: the chain's and those
-    of the branches at the one node where the chain stops (tree_verify.greedy_nodes). Callers
+    The LM head is the largest matmul of a small target's forward (about a sixth of this
+    pair's per-token compute), and a greedy walk reads the logits of few nodes: the chain's and
+    those of the branches at the one node where the chain stops (tree_verify.greedy_reads). Callers
     take the rows they need with logits_at; `logits` gives every node's.
     """
 

@@ -47,7 +47,7 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     s.add_argument("--mode", choices=MODES, default="adaflash",
-                   help="decoding mode (default adaflash; d2sd needs --recovery-drafter)")
+                   help="decoding mode (default adaflash; d2sd needs --recovery-drafter, or --branch-drafter first)")
     s.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                    help="run target and drafter in this dtype (default: the target's own)")

@@ -170,3 +170,18 @@ def test_bench_runs_d2sd_beside_ar_and_records_no_machine_paths(tiny_pair, tmp_p
     rows = [r for r in doc["results"] if r["mode"] == "d2sd"]
     assert len(rows) == 2 and all("tree" in r for r in rows)
     assert torch.isfinite(torch.tensor([r["throughput_tok_s"] for r in rows])).all()
+
+
+def test_first_drafter_options_record_what_runs():
+    """Results record the tree that ran: one-node branches and no recovery drafter."""
+    import argparse
+
+    from sglang_adaflash.d2sd.cli import add_d2sd_args, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_d2sd_args(p)
+    opts = options_from_args(p.parse_args(["--branch-drafter", "first", "--recovery-drafter", "x", "--branch-len", "4"]),
+                             ["d2sd"])
+    assert (opts.recovery_drafter, opts.branch_len, opts.branch_drafter) == (None, 1, "first")
+    opts = options_from_args(p.parse_args(["--recovery-drafter", "x", "--branch-len", "3"]), ["d2sd"])
+    assert (opts.recovery_drafter, opts.branch_len, opts.branch_drafter) == ("x", 3, "recovery")

@@ -61,18 +61,19 @@ def test_every_node_matches_a_plain_forward_of_its_path(target, cascade):
     rows = _trees()
     flat = flatten(rows, "cpu")
     fwd = tree_forward(target, cache, flat, starts, TorchCascade() if cascade else None)
+    every = fwd.logits  # computed from the final states on each read
     for b, (prompt, row) in enumerate(zip(prompts, rows)):
         for node in range(row.size):
             seq = prompt + [row.tokens[i] for i in _path(row, node)]
             # the engine's own chain forward of the path (same kernels): equal to round-off
             fresh = target.new_cache(1, 64)
             logits, aux = target.forward(TargetBatch.from_lists([seq], [0]), fresh)
-            torch.testing.assert_close(fwd.logits[b, node], logits[-1], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(every[b, node], logits[-1], rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(fwd.aux[b, node], aux[-1], rtol=1e-10, atol=1e-10)
             # and Hugging Face's forward (its norms round through float32)
             with torch.no_grad():
                 out = target.model(torch.tensor([seq]), output_hidden_states=True)
-            torch.testing.assert_close(fwd.logits[b, node], out.logits[0, -1], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(every[b, node], out.logits[0, -1], rtol=1e-5, atol=1e-6)
             want = torch.cat([out.hidden_states[i + 1][0, -1] for i in CAPTURE])
             torch.testing.assert_close(fwd.aux[b, node], want, rtol=1e-5, atol=1e-6)
 

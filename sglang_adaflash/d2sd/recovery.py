@@ -155,6 +155,8 @@ def plan_tree(
 
     best = None
     for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
+        if not branching and (cost.branch_fixed <= 0 or not (best[1] > 0).any()):
+            break  # nothing shared to save, or no branch taken: the first pass's optimum is the answer
         lam = max(start, 0.0)
         for i in range(rounds):
             plan = plan_at(lam, branching)

@@ -7,8 +7,9 @@
 2. The tree verify forward (24 nodes a request over a 250-token context): one masked attention
    call against the torch cascade (context and nodes apart, merged).
 3. Where a c=1 decode step's time goes (load-aware rule, tree-k 4, branch-len 4, width 4), by
-   cProfile over 16 in-domain requests, beside a dflash step; and how many plan evaluations a
-   step makes with the warm-started price against a price started at 0 every step.
+   cProfile over 16 in-domain requests, beside a dflash step and a step of the tree from the
+   first drafter alone (`--branch-drafter first`); and how many plan evaluations a step makes
+   with the warm-started price against a price started at 0 every step.
 
 Each timing is the best of several repeats, both sides of a comparison measured back to back.
 """
@@ -132,20 +133,32 @@ def step_breakdown(pair) -> dict:
         e.run(reqs()[:4])
     st, steps = _profile(d2sd, reqs())
     parts = {name: _cum_ms(st, steps, name) for name in
-             ("_decode_step", "tree_forward", "_chain_logits", "_branches", "plan_tree", "extend_context")}
+             ("_decode_step", "tree_forward", "_walk", "_chain_logits", "_branches", "plan_tree", "extend_context")}
     cold_st, cold_steps = _profile(cold, reqs())
     df_st, df_steps = _profile(dflash, reqs())
+    first = D2SDEngine(pair.target, pair.drafter, None, branch_drafter="first",
+                       **{**kw, "branch_len": 1})
+    first.run(reqs()[:4])
+    fs_st, fs_steps = _profile(first, reqs())
     return {
         "d2sd_ms_per_step": parts,
         "d2sd_steps": steps,
-        "dflash_ms_per_step": _cum_ms(df_st, df_steps, "_decode_step"),
+        "dflash_ms_per_step": {name: _cum_ms(df_st, df_steps, name) for name in
+                               ("_decode_step", "forward", "_draft", "_update_context")},
+        "first_drafter_tree_ms_per_step": {name: _cum_ms(fs_st, fs_steps, name) for name in
+                                           ("_decode_step", "tree_forward", "_walk", "_chain_logits",
+                                            "_first_drafter_branches", "plan_tree", "extend_context")},
         "plan_evaluations_per_step": {
             "warm_start": round(_calls(st, "plan_at") / steps, 2),
             "price_from_zero": round(_calls(cold_st, "plan_at") / cold_steps, 2),
+            "first_drafter_tree": round(_calls(fs_st, "plan_at") / fs_steps, 2),
         },
         "note": "cProfile adds its own overhead; the parts are cumulative times (tree_forward: the "
-                "target's tree verify; _chain_logits: the first drafter; _branches: the recovery drafter "
-                "and branch assembly; extend_context: both drafters' contexts)",
+                "target's tree verify up to its final states, _walk: its LM head where the walk reads and "
+                "the walk; _chain_logits: the first drafter; _branches: the recovery drafter and branch "
+                "assembly; extend_context: both drafters' contexts; dflash's forward: every target forward "
+                "of the run, prefill included, per decode step; first_drafter_tree: --branch-drafter first, "
+                "the same tree-k and width)",
     }
 
 

@@ -1,8 +1,11 @@
 """Suite-wide settings: one intra-op thread (the CI machine has 2 shared cores, and oversubscribed
-OpenMP threads make tiny-model tests an order of magnitude slower) and seeded torch."""
+OpenMP threads make tiny-model tests an order of magnitude slower) and seeded torch; the default
+tiny random pair, one per test module (a module needing another defines its own)."""
 
 import pytest
 import torch
+
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 torch.set_num_threads(1)
 
@@ -10,6 +13,16 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed_torch():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_drafter()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -333,7 +333,7 @@ class D2SDEngine(SpecEngine):
         won = tried = 0.0
         alt_won, alt_tried = [0.0] * self.branch_width, [0.0] * self.branch_width
         for tree, r in zip(trees, results):
-            chain_end = next((k for k in range(1, tree.size) if tree.parents[k] != k - 1), tree.size)
+            chain_end = tree.chain_length
             on_branch = [n for n in r.path if n >= chain_end]
             n_branch = tree.size - chain_end
             firsts = [k for k in range(chain_end, tree.size) if tree.parents[k] < chain_end]

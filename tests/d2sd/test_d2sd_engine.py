@@ -28,15 +28,6 @@ def _run(eng, prompts, max_new):
     return [o.output_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_drafter()
-
 
 @pytest.mark.parametrize("oracle", [False, True])
 @pytest.mark.parametrize("rule", ["fixed", "load_aware"])

@@ -17,16 +17,6 @@ from .conftest import OracleD2SD
 from .test_d2sd_engine import _prompts, _run
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_drafter()
-
-
 @pytest.mark.parametrize("oracle", [False, True])
 @pytest.mark.parametrize("rule", ["fixed", "load_aware"])
 def test_greedy_equals_ar_with_joins(target, drafter, oracle, rule):

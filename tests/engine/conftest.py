@@ -6,12 +6,10 @@ build the very same ones.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from sglang_adaflash.drafter.model import DFlashDrafter
 from sglang_adaflash.target.hf_target import HFTarget
-from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
 
 class OracleProposer:
@@ -63,12 +61,3 @@ class OracleProposer:
         logits = torch.full((rows.numel(), self.target.vocab_size), -10.0, dtype=torch.float64)
         return logits.scatter_(1, self._props[rows, slots - 1][:, None], 10.0)
 
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_drafter()

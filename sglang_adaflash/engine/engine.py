@@ -26,19 +26,16 @@ from ..planner.cost import OnlineCostModel, StepCostModel
 from ..planner.lengths import (
     PlanCost,
     expected_tau,
-    plan_lengths,
     plan_verify_lengths,
     survival_rate,
 )
 from ..target.hf_target import HFTarget, TargetBatch
+from .draft_choice import DraftChoice
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
 from .sizing import profile_step_cost
 
 MODES = ("ar", "dflash", "adaflash")
-_MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
-_FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see _first_reads)
-_QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
 # A prompt's target features (tokens x captured width) held for a lazy drafter context; above
 # this they are projected at prefill (4M floats: 16 MiB in float32 per request)
 _LAZY_PROMPT_ELEMENTS = 1 << 22
@@ -176,22 +173,13 @@ class SpecEngine:
             target.capture_layer_ids = []
         # engines may share one target (a benchmark's modes side by side): each sets what it needs
         self._capture = list(target.capture_layer_ids)
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         adaptive = mode == "adaflash" and length_rule == "load_aware"
         self.posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
         self._draft_off = adaptive and draft_off and self.posterior is not None
-        if not 0 <= probe_share <= 1:
-            raise ValueError(f"probe_share must be in [0, 1], got {probe_share}")
-        self.probe_every, self.probe_share = probe_every, probe_share
-        self.explore = explore
-        self._explore_gen = torch.Generator(device=self.device).manual_seed(seed + 1)  # apart from sampling's
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
-        self._pending: torch.Tensor | None = None  # [slots, probe_every + 1, K*H] (see _catch_up)
-        self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
-        self._quiet_steps = 0
-        self._probe_credit = 0.0  # seconds of drafting probes may still spend (see _choose_drafted)
-        self._forced_charge: tuple[float, float, float, float] | None = None  # see _charge_forced
+        self.choice = DraftChoice(self.posterior, self.block_size, self._min_len, self.device,
+                                  probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
+        self._pending: torch.Tensor | None = None  # [slots, choice.max_pending, K*H] (see _catch_up)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -393,7 +381,8 @@ class SpecEngine:
         self._update_context(seqs, spec, aux, batch.q_lens, result)
         self._commit(seqs, spec, committed, result)
         t2 = time.perf_counter()
-        self._charge_forced(spec, int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
+        self.choice.charge_forced(bool(spec.drafted), spec.draft_seconds, spec.forced_catch_up_seconds,
+                                  int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
         verified = int(batch.q_lens.sum())
         self.stats.steps += 1
         self.stats.batch_sizes.append(len(seqs))
@@ -424,7 +413,7 @@ class SpecEngine:
         cap = torch.tensor(caps, dtype=torch.long)
         t0 = time.perf_counter()
         forced_catch_up = 0.0
-        if probes and self._forced_charge is None and self.cost_model is None:
+        if probes and self.choice.forced_charge is None and self.cost_model is None:
             # forced rows riding along on planned drafting: their catch-up (up to the whole
             # probe gap of context) is theirs alone, so it is timed apart and charged to probes
             self._catch_up(seqs, probes)
@@ -445,118 +434,10 @@ class SpecEngine:
         return spec
 
     def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
-        """Rows to draft this step, and which of them are forced (first reads, probes).
-
-        A row whose expected accepted tokens do not pay for its share of the drafter forward
-        and its verify slots is left out and verifies only its bonus token. Its history is
-        then the only estimate of what drafting would give, so once `probe_every` steps have
-        passed it is drafted anyway (a probe), which notices a request that starts accepting
-        again. Probes are paid from a credit that grows by `probe_share` of a plain step's
-        cost every step, so probing never costs more than that share of the time; due rows
-        wait until the credit covers them and then share one drafter forward (or ride along,
-        at their own rows' cost, on a step that drafts anyway).
-        """
-        self._forced_charge = None
+        """Rows to draft this step and the forced ones among them (draft_choice.DraftChoice)."""
         if not self._draft_off:
             return [i for i, c in enumerate(caps) if c > 1], []
-        # This runs on every step, and on most steps of a batch that does not pay for drafting it
-        # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
-        bs = len(seqs)
-        cost = self._cost(bs)
-        row = cost.per_draft + cost.per_token * max(self._min_len - 1, 1)  # one probe row's price
-        self._probe_credit = min(self._probe_credit + self.probe_share * (cost.fixed + cost.per_token * bs),
-                                 cost.draft_fixed + row * bs)
-        gap = self.probe_every
-
-        def due_rows() -> list[int]:
-            return [i for i, s in enumerate(seqs) if caps[i] > 1 and s.since_draft >= max(s.probe_gap, gap)]
-
-        due = due_rows() if self._probe_credit >= cost.draft_fixed + row else None
-        # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
-        # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
-        quiet = self._quiet_plan == bs and not due
-        if quiet and self._quiet_steps < _QUIET_REPLAN and all(s.since_draft > 0 for s in seqs):
-            self._quiet_steps += 1
-            return [], []
-        if due is None:
-            due = due_rows()
-        cap = torch.tensor(caps, dtype=torch.long)
-        can = cap > 1
-        slots = torch.arange(bs, device=self.device)
-        rate, known = self.posterior.estimate(slots)
-        force = self._first_reads(~known.cpu() & can)  # no history at all: read the drafter once
-        if self.explore:  # plan with posterior draws: uncertain requests get tried
-            draw = self.posterior.sample(slots, self._explore_gen)
-        else:
-            draw = rate
-        lens = plan_lengths(
-            draw, self.block_size, cost.plan_cost(),
-            min_len=self._min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
-        )
-        planned = lens.cpu() > 1
-        chosen = planned | force
-        # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
-        force |= chosen & (draw > rate).cpu()
-        spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
-        for i in sorted((i for i in due if not chosen[i]), key=lambda i: -seqs[i].since_draft):
-            if self._probe_credit < spend + row:
-                break
-            spend, probes = spend + row, probes + 1
-            chosen[i] = force[i] = True
-        if probes:
-            self._probe_credit -= spend
-        if self.cost_model is None and bool(chosen.any()) and not bool((planned & ~force).any()):
-            # Only forced rows (first reads, probes) draft: the whole drafting is theirs. What it
-            # really costs (catch-up of their pending context, the forward, the head, planning)
-            # is charged after the step in place of this estimate (see _charge_forced).
-            self._forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs,
-                                   cost.fixed + cost.per_token * bs)
-        drafted = chosen.nonzero().flatten().tolist()
-        self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
-        return drafted, [i for i in drafted if bool(force[i])]
-
-    def _first_reads(self, cold: torch.Tensor) -> torch.Tensor:
-        """cold [bs] bool (rows with no history, own or domain's) -> the rows to read now.
-
-        At most _FIRST_READS cold rows of each domain read the drafter in one step. The others
-        plan as drafting nothing for one step and then start from what their domain's reads
-        showed: a cold wave of 64 requests of a domain the drafter fails on pays four drafter
-        rows, not 64 (a step drafting all 64 costs several plain steps on the embedded pair).
-        """
-        rows = cold.nonzero().flatten().tolist()
-        if len(rows) <= _FIRST_READS:
-            return cold
-        domains = self.posterior.slot_domain[: cold.shape[0]].tolist()
-        taken: dict[int, int] = {}
-        for i in rows:
-            if taken.get(domains[i], 0) >= _FIRST_READS:
-                cold[i] = False
-            else:
-                taken[domains[i]] = taken.get(domains[i], 0) + 1
-        return cold
-
-    def _charge_forced(self, spec: SpecBatch, proposals: int, verify_seconds: float | None = None) -> None:
-        """A step that drafted only forced rows pays its measured drafting time, and the verify
-        slots of their proposals, from the probe credit (less what the plan already took); on a
-        step that drafts anyway, forced rows pay their rows' price and their measured catch-up.
-        Given the step's measured verify time, the proposals pay whatever the step verified
-        beyond a plain step's price, when that is more than their slots' price: one row of two
-        tokens among single-token rows takes the target's ragged attention path, which on the
-        embedded pair cost more than the drafter forward itself, and went unpaid.
-        So probes and first reads together keep to `probe_share` of the time as it is measured,
-        not as the cost model guessed it. The debt is bounded, so a long cold start delays
-        probes for a while, not for good. With a fixed cost model (given, not measured) its
-        prices are the only currency, and this charges nothing."""
-        if self._forced_charge is None or not spec.drafted:
-            self._probe_credit -= spec.forced_catch_up_seconds
-            return
-        paid, per_token, bound, plain = self._forced_charge
-        self._forced_charge = None
-        verify = per_token * proposals
-        if verify_seconds is not None:
-            verify = max(verify, verify_seconds - plain)
-        cost = spec.draft_seconds + verify
-        self._probe_credit = max(self._probe_credit - (cost - paid), -bound)
+        return self.choice.choose(seqs, caps, self._cost(len(seqs)), measured=self.cost_model is None)
 
     def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:
         """Verify lengths for the drafted rows (the others keep 1), from the head when adaptive."""
@@ -650,7 +531,7 @@ class SpecEngine:
             idle = range(len(seqs))
             rows = torch.arange(len(seqs), device=self.device)
         if self._pending is None:
-            self._pending = feats.new_zeros(self.max_batch_size, _MAX_PROBE_GAP * self.probe_every + 1, feats.shape[-1])
+            self._pending = feats.new_zeros(self.max_batch_size, self.choice.max_pending, feats.shape[-1])
         pending = [seqs[i].pending for i in idle]
         cols = torch.tensor(pending, dtype=torch.long, device=self.device)
         self._pending[rows, cols] = feats[rows, 0]  # an undrafted row commits exactly one token
@@ -712,9 +593,8 @@ class SpecEngine:
                 seq.stats.predicted_ratios.append(predicted[i])
                 seq.stats.drafted.append(i in drafted)
             seq.since_draft = 0 if i in drafted else seq.since_draft + 1
-            if i in probes:  # a probe that accepted nothing waits twice as long for the next
-                gap = max(seq.probe_gap, self.probe_every)
-                seq.probe_gap = min(2 * gap, _MAX_PROBE_GAP * self.probe_every) if len(toks) == 1 else self.probe_every
+            if i in probes:
+                seq.probe_gap = self.choice.next_probe_gap(seq.probe_gap, accepted_nothing=len(toks) == 1)
             seq.cache_len += len(toks)  # slot 0 .. last accepted now have committed K/V
             self.stats.committed_tokens += len(toks)
             self._append(seq, toks)

@@ -197,16 +197,35 @@ def test_failing_drafts_are_switched_off_losslessly(target, drafter):
     assert all(all(o.stats.drafted[:-1]) for o in always)  # the last token cannot be drafted
 
 
+@pytest.mark.parametrize("backoff", [True, False])
+def test_probes_that_accept_nothing_back_off(target, drafter, backoff, monkeypatch):
+    """A request whose reads accept nothing waits 8, then 16 steps (probe_every 4: the gap
+    doubles from it after each failed probe, up to 4 * probe_every) for its next probe.
+    Control (backoff=False: the gap never grows): probes every 4 steps, told apart."""
+    from sglang_adaflash.engine.draft_choice import DraftChoice
+
+    if not backoff:
+        monkeypatch.setattr(DraftChoice, "next_probe_gap", lambda self, gap, accepted_nothing: self.probe_every)
+    prompt = _prompts(1, seed=29)
+    eng = _engine(target, drafter, probe_every=4, probe_share=1.0)
+    (out,) = eng.run([Request(prompt[0], SamplingParams(max_new_tokens=60))])
+    st = out.stats
+    drafted = [k for k, d in enumerate(st.drafted) if d]
+    assert len(drafted) >= 4 and all(st.accept_lens[k] == 1 for k in drafted[:4]), drafted
+    waits = [b - a - 1 for a, b in zip(drafted, drafted[1:])][:3]  # undrafted steps between
+    assert waits == ([8, 16, 16] if backoff else [4, 4, 4]), drafted
+
+
 @pytest.mark.parametrize("limit", [None, 100])
 def test_a_cold_wave_of_one_domain_reads_the_drafter_four_times_not_once_each(target, drafter, limit, monkeypatch):
     """Twelve new requests of one domain with a drafter that accepts nothing: the first step
     drafts at most four of them, the second drafts none (they start from the domain's
     evidence), and the output is still ar's. Control (limit=100, every cold request reads):
     all twelve draft in the first step."""
-    import sglang_adaflash.engine.engine as engine_mod
+    import sglang_adaflash.engine.draft_choice as draft_choice
 
     if limit is not None:
-        monkeypatch.setattr(engine_mod, "_FIRST_READS", limit)
+        monkeypatch.setattr(draft_choice, "FIRST_READS", limit)
     prompts = _prompts(12, seed=23)
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=12, max_seq_len=160,
                      cost_model=DEAR_DRAFTS, probe_share=0.0)
@@ -320,25 +339,31 @@ def test_forced_drafting_is_charged_what_it_measured(target, drafter):
 
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64, seed=0)
     assert eng.cost_model is None  # measured prices
+    choice = eng.choice
+
+    def charge(spec, proposals, verify_seconds=None):
+        choice.charge_forced(bool(spec.drafted), spec.draft_seconds, spec.forced_catch_up_seconds,
+                             proposals, verify_seconds=verify_seconds)
+
     spec = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0], probes=[0], draft_seconds=0.010)
-    eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
-    eng._charge_forced(spec, proposals=3)
-    assert eng._probe_credit == pytest.approx(0.020 - (0.010 + 0.003 - 0.004))
-    assert eng._forced_charge is None
+    choice.credit, choice.forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
+    charge(spec, proposals=3)
+    assert choice.credit == pytest.approx(0.020 - (0.010 + 0.003 - 0.004))
+    assert choice.forced_charge is None
     # the measured verify phase: a step that verified 8 ms beyond a plain step's 30 ms pays
     # those 8 ms, not its 3 slots' 3 ms; one within the plain price pays its slots
     for verify_seconds, charged in ((0.038, 0.008), (0.031, 0.003)):
-        eng._probe_credit, eng._forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
-        eng._charge_forced(spec, proposals=3, verify_seconds=verify_seconds)
-        assert eng._probe_credit == pytest.approx(0.020 - (0.010 + charged - 0.004))
-    eng._probe_credit = 0.011
+        choice.credit, choice.forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
+        charge(spec, proposals=3, verify_seconds=verify_seconds)
+        assert choice.credit == pytest.approx(0.020 - (0.010 + charged - 0.004))
+    choice.credit = 0.011
     ride = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0, 1], probes=[1],
                      draft_seconds=0.05, forced_catch_up_seconds=0.002)
-    eng._charge_forced(ride, proposals=9)
-    assert eng._probe_credit == pytest.approx(0.011 - 0.002)
-    eng._forced_charge = (0.0, 0.0, 0.05, 0.0)
-    eng._charge_forced(SpecBatch(torch.ones(1, dtype=torch.long), drafted=[0], draft_seconds=9.0), 1)
-    assert eng._probe_credit == -0.05  # bounded debt
+    charge(ride, proposals=9)
+    assert choice.credit == pytest.approx(0.011 - 0.002)
+    choice.forced_charge = (0.0, 0.0, 0.05, 0.0)
+    charge(SpecBatch(torch.ones(1, dtype=torch.long), drafted=[0], draft_seconds=9.0), 1)
+    assert choice.credit == -0.05  # bounded debt
 
 
 def test_a_lazy_prompt_context_equals_the_eager_one(target, drafter, monkeypatch):

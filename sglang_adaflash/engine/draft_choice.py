@@ -1,0 +1,162 @@
+"""Draft-off: which rows of a step the drafter runs for, and the probe credit that pays for the rest.
+
+A row whose expected accepted tokens do not pay for its share of the drafter forward and its
+verify slots is left out and verifies only its bonus token. Its history is then the only
+estimate of what drafting would give, so once `probe_every` steps have passed it is drafted
+anyway (a probe), which notices a request that starts accepting again. Probes are paid from a
+credit that grows by `probe_share` of a plain step's cost every step, so probing never costs
+more than that share of the time. Rows with no history at all read the drafter once (a first
+read), at most a few per domain and step.
+
+The engine asks :meth:`DraftChoice.choose` at the start of every step, and after the step
+reports what forced drafting really cost (:meth:`DraftChoice.charge_forced`) and each row's
+outcome (:meth:`DraftChoice.after_row`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planner.calibration import SurvivalPosterior
+from ..planner.cost import StepCostModel
+from ..planner.lengths import plan_lengths
+
+MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
+FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
+QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
+
+
+class DraftChoice:
+    def __init__(self, posterior: SurvivalPosterior, block_size: int, min_len: int, device, *,
+                 probe_every: int = 16, probe_share: float = 0.02, explore: bool = False, seed: int = 0):
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        if not 0 <= probe_share <= 1:
+            raise ValueError(f"probe_share must be in [0, 1], got {probe_share}")
+        self.posterior, self.block_size, self.min_len, self.device = posterior, block_size, min_len, device
+        self.probe_every, self.probe_share, self.explore = probe_every, probe_share, explore
+        self.explore_gen = torch.Generator(device=device).manual_seed(seed + 1)  # apart from sampling's
+        self.credit = 0.0  # seconds of drafting probes may still spend
+        # (paid, per_token, debt bound, plain step price) of a step that drafted only forced rows
+        self.forced_charge: tuple[float, float, float, float] | None = None
+        self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
+        self._quiet_steps = 0
+
+    @property
+    def max_pending(self) -> int:
+        """Steps an undrafted row can go without drafting, plus one: its context backlog's size."""
+        return MAX_PROBE_GAP * self.probe_every + 1
+
+    def choose(self, seqs, caps: list[int], cost: StepCostModel, *, measured: bool) -> tuple[list[int], list[int]]:
+        """Rows to draft this step, and which of them are forced (first reads, probes).
+
+        Due probes wait until the credit covers them and then share one drafter forward (or ride
+        along, at their own rows' cost, on a step that drafts anyway). `measured`: the cost model
+        is the engine's measured one, so a step of forced rows alone is charged what it took.
+        """
+        self.forced_charge = None
+        # This runs on every step, and on most steps of a batch that does not pay for drafting it
+        # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
+        bs = len(seqs)
+        row = cost.per_draft + cost.per_token * max(self.min_len - 1, 1)  # one probe row's price
+        self.credit = min(self.credit + self.probe_share * (cost.fixed + cost.per_token * bs),
+                          cost.draft_fixed + row * bs)
+        gap = self.probe_every
+
+        def due_rows() -> list[int]:
+            return [i for i, s in enumerate(seqs) if caps[i] > 1 and s.since_draft >= max(s.probe_gap, gap)]
+
+        due = due_rows() if self.credit >= cost.draft_fixed + row else None
+        # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
+        # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
+        quiet = self._quiet_plan == bs and not due
+        if quiet and self._quiet_steps < QUIET_REPLAN and all(s.since_draft > 0 for s in seqs):
+            self._quiet_steps += 1
+            return [], []
+        if due is None:
+            due = due_rows()
+        cap = torch.tensor(caps, dtype=torch.long)
+        can = cap > 1
+        slots = torch.arange(bs, device=self.device)
+        rate, known = self.posterior.estimate(slots)
+        force = self.first_reads(~known.cpu() & can)  # no history at all: read the drafter once
+        if self.explore:  # plan with posterior draws: uncertain requests get tried
+            draw = self.posterior.sample(slots, self.explore_gen)
+        else:
+            draw = rate
+        lens = plan_lengths(
+            draw, self.block_size, cost.plan_cost(),
+            min_len=self.min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
+        )
+        planned = lens.cpu() > 1
+        chosen = planned | force
+        # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
+        force |= chosen & (draw > rate).cpu()
+        spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
+        for i in sorted((i for i in due if not chosen[i]), key=lambda i: -seqs[i].since_draft):
+            if self.credit < spend + row:
+                break
+            spend, probes = spend + row, probes + 1
+            chosen[i] = force[i] = True
+        if probes:
+            self.credit -= spend
+        if measured and bool(chosen.any()) and not bool((planned & ~force).any()):
+            # Only forced rows (first reads, probes) draft: the whole drafting is theirs. What it
+            # really costs (catch-up of their pending context, the forward, the head, planning)
+            # is charged after the step in place of this estimate (see charge_forced).
+            self.forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs,
+                                  cost.fixed + cost.per_token * bs)
+        drafted = chosen.nonzero().flatten().tolist()
+        self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
+        return drafted, [i for i in drafted if bool(force[i])]
+
+    def first_reads(self, cold: torch.Tensor) -> torch.Tensor:
+        """cold [bs] bool (rows with no history, own or domain's) -> the rows to read now.
+
+        At most FIRST_READS cold rows of each domain read the drafter in one step. The others
+        plan as drafting nothing for one step and then start from what their domain's reads
+        showed: a cold wave of 64 requests of a domain the drafter fails on pays four drafter
+        rows, not 64 (a step drafting all 64 costs several plain steps on the embedded pair).
+        """
+        rows = cold.nonzero().flatten().tolist()
+        if len(rows) <= FIRST_READS:
+            return cold
+        domains = self.posterior.slot_domain[: cold.shape[0]].tolist()
+        taken: dict[int, int] = {}
+        for i in rows:
+            if taken.get(domains[i], 0) >= FIRST_READS:
+                cold[i] = False
+            else:
+                taken[domains[i]] = taken.get(domains[i], 0) + 1
+        return cold
+
+    def charge_forced(self, drafted: bool, draft_seconds: float, catch_up_seconds: float,
+                      proposals: int, verify_seconds: float | None = None) -> None:
+        """A step that drafted only forced rows pays its measured drafting time, and the verify
+        slots of their proposals, from the probe credit (less what the plan already took); on a
+        step that drafts anyway, forced rows pay their rows' price and their measured catch-up.
+        Given the step's measured verify time, the proposals pay whatever the step verified
+        beyond a plain step's price, when that is more than their slots' price: one row of two
+        tokens among single-token rows takes the target's ragged attention path, which on the
+        embedded pair cost more than the drafter forward itself, and went unpaid.
+        So probes and first reads together keep to `probe_share` of the time as it is measured,
+        not as the cost model guessed it. The debt is bounded, so a long cold start delays
+        probes for a while, not for good. With a fixed cost model (given, not measured) its
+        prices are the only currency, and this charges nothing."""
+        if self.forced_charge is None or not drafted:
+            self.credit -= catch_up_seconds
+            return
+        paid, per_token, bound, plain = self.forced_charge
+        self.forced_charge = None
+        verify = per_token * proposals
+        if verify_seconds is not None:
+            verify = max(verify, verify_seconds - plain)
+        cost = draft_seconds + verify
+        self.credit = max(self.credit - (cost - paid), -bound)
+
+    def next_probe_gap(self, gap: int, accepted_nothing: bool) -> int:
+        """A probe that accepted nothing waits twice as long for the next (up to MAX_PROBE_GAP
+        times probe_every); one that accepted resets the wait."""
+        if not accepted_nothing:
+            return self.probe_every
+        return min(2 * max(gap, self.probe_every), MAX_PROBE_GAP * self.probe_every)

@@ -252,14 +252,14 @@ def main() -> int:
                     help="built workloads (python -m training_job.data build); default: built "
                          "into --work")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--math", type=int, default=58, help="math prompts per round")
-    ap.add_argument("--code", type=int, default=19, help="code prompts per round")
-    ap.add_argument("--prose", type=int, default=19, help="prose prompts per round")
+    ap.add_argument("--math", type=int, default=800, help="math prompts per round")
+    ap.add_argument("--code", type=int, default=240, help="code prompts per round")
+    ap.add_argument("--prose", type=int, default=240, help="prose prompts per round")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="of the served responses")
-    ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per domain")
+    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per domain")
     ap.add_argument("--ablation", default="fkl,sft", help="the other losses, same data and steps")
     ap.add_argument("--ablation-rounds", type=int, default=1)
-    ap.add_argument("--job-args", default="--eval-max-new-tokens 32",
+    ap.add_argument("--job-args", default="--eval-max-new-tokens 32 --head-steps 200",
                     help="extra flags of every distillation job (one string)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=2026)

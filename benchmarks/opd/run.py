@@ -417,7 +417,8 @@ def write_results(results, args, prompt_stats, traffic_s, started, job_args) -> 
         "job": "python -m training_job.distill --parent latest --loss <arm> "
                + " ".join(job_args) + " (every other option at its default)",
         "traffic": f"train-split prompts (seed {args.seed}), greedy, {args.max_new_tokens} new "
-                   f"tokens, generated in {traffic_s:.0f} s",
+                   + ("tokens, copied from an earlier run's --work (--traffic-from)" if args.traffic_from
+                      else f"tokens, generated in {traffic_s:.0f} s"),
         "ablation": {"losses": args.ablation, "rounds": args.ablation_rounds},
         "git": args.commit or git.stdout.strip(), "python": platform.python_version(),
         "machine": platform.machine(), "threads": args.threads,

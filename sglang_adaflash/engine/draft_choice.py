@@ -9,17 +9,22 @@ more than that share of the time. Rows with no history at all read the drafter o
 read), at most a few per domain and step.
 
 The engine asks :meth:`DraftChoice.choose` at the start of every step, and after the step
-reports what forced drafting really cost (:meth:`DraftChoice.charge_forced`) and each row's
-outcome (:meth:`DraftChoice.after_row`).
+reports what forced drafting really cost (:meth:`DraftChoice.charge_forced`) and, per probe,
+whether it accepted anything (:meth:`DraftChoice.next_probe_gap`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..planner.calibration import SurvivalPosterior
 from ..planner.cost import StepCostModel
 from ..planner.lengths import plan_lengths
+
+if TYPE_CHECKING:
+    from .engine import SpecBatch
 
 MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
 FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
@@ -130,8 +135,7 @@ class DraftChoice:
                 taken[domains[i]] = taken.get(domains[i], 0) + 1
         return cold
 
-    def charge_forced(self, drafted: bool, draft_seconds: float, catch_up_seconds: float,
-                      proposals: int, verify_seconds: float | None = None) -> None:
+    def charge_forced(self, spec: SpecBatch, proposals: int, verify_seconds: float | None = None) -> None:
         """A step that drafted only forced rows pays its measured drafting time, and the verify
         slots of their proposals, from the probe credit (less what the plan already took); on a
         step that drafts anyway, forced rows pay their rows' price and their measured catch-up.
@@ -143,15 +147,15 @@ class DraftChoice:
         not as the cost model guessed it. The debt is bounded, so a long cold start delays
         probes for a while, not for good. With a fixed cost model (given, not measured) its
         prices are the only currency, and this charges nothing."""
-        if self.forced_charge is None or not drafted:
-            self.credit -= catch_up_seconds
+        if self.forced_charge is None or not spec.drafted:
+            self.credit -= spec.forced_catch_up_seconds
             return
         paid, per_token, bound, plain = self.forced_charge
         self.forced_charge = None
         verify = per_token * proposals
         if verify_seconds is not None:
             verify = max(verify, verify_seconds - plain)
-        cost = draft_seconds + verify
+        cost = spec.draft_seconds + verify
         self.credit = max(self.credit - (cost - paid), -bound)
 
     def next_probe_gap(self, gap: int, accepted_nothing: bool) -> int:

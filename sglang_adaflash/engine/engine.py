@@ -381,8 +381,7 @@ class SpecEngine:
         self._update_context(seqs, spec, aux, batch.q_lens, result)
         self._commit(seqs, spec, committed, result)
         t2 = time.perf_counter()
-        self.choice.charge_forced(bool(spec.drafted), spec.draft_seconds, spec.forced_catch_up_seconds,
-                                  int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
+        self.choice.charge_forced(spec, int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
         verified = int(batch.q_lens.sum())
         self.stats.steps += 1
         self.stats.batch_sizes.append(len(seqs))

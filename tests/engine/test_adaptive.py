@@ -340,11 +340,7 @@ def test_forced_drafting_is_charged_what_it_measured(target, drafter):
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64, seed=0)
     assert eng.cost_model is None  # measured prices
     choice = eng.choice
-
-    def charge(spec, proposals, verify_seconds=None):
-        choice.charge_forced(bool(spec.drafted), spec.draft_seconds, spec.forced_catch_up_seconds,
-                             proposals, verify_seconds=verify_seconds)
-
+    charge = choice.charge_forced
     spec = SpecBatch(torch.ones(2, dtype=torch.long), drafted=[0], probes=[0], draft_seconds=0.010)
     choice.credit, choice.forced_charge = 0.020, (0.004, 0.001, 1.0, 0.030)
     charge(spec, proposals=3)

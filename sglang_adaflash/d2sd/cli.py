@@ -57,7 +57,9 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--branch-drafter", choices=BRANCH_DRAFTERS, default=D2SDOptions.branch_drafter,
                    help="who proposes the branches: the recovery drafter (default, D2SD), or `first`: the first "
                         "drafter's next-ranked tokens at each recovery point, one node per branch, no second "
-                        "drafter and no --recovery-drafter needed (the one-drafter token tree baseline)")
+                        "drafter and no --recovery-drafter needed (the one-drafter token tree baseline); `auto`: "
+                        "each step the load-aware rule prices both and takes the better tree (needs "
+                        "--recovery-drafter and --tree-rule load_aware)")
     g.add_argument("--tree-attention", choices=TREE_ATTENTION, default=D2SDOptions.tree_attention,
                    help="how the target attends over a tree: cascade attention through FlashInfer (CUDA, float16/"
                         "bfloat16), `torch` (the same two levels in torch), or one `masked` call; auto (default) "
@@ -67,9 +69,12 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
 def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
     if "d2sd" not in modes:
         return None
-    if args.recovery_drafter is None and args.branch_drafter == "recovery":
+    if args.recovery_drafter is None and args.branch_drafter != "first":
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`), "
                        "or --branch-drafter first for trees from the first drafter alone")
+    if args.branch_drafter == "auto" and args.tree_rule != "load_aware":
+        raise CLIError("--branch-drafter auto needs --tree-rule load_aware: the fixed rule does not price the "
+                       "two sources of branches against each other")
     if args.branch_len < 1:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
     if args.branch_width < 1:
@@ -107,7 +112,7 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
     from .engine import D2SDEngine
 
     opts = getattr(pair, "d2sd", None)
-    if opts is None or (getattr(pair, "recovery", None) is None and opts.branch_drafter == "recovery"):
+    if opts is None or (getattr(pair, "recovery", None) is None and opts.branch_drafter != "first"):
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
                       branch_width=opts.branch_width, tree_rule=opts.tree_rule, tree_attention=opts.tree_attention,

@@ -58,16 +58,23 @@ class D2SDEngine(SpecEngine):
         node, the first drafter's next-ranked token at the slot (its later slots follow its own
         likeliest continuation, not an alternative, so they cannot continue one), and
         `branch_len` is 1 whatever was asked. It costs verify tokens only, no drafter forward: the baseline that
-        does a tree's job with one drafter, and `recovery` may then be None."""
+        does a tree's job with one drafter, and `recovery` may then be None. "auto" prices both
+        each step (recovery.plan_tree's first_rates) and builds the better tree: the recovery
+        drafter's branches where they pay for its forward, the first drafter's next-ranked tokens
+        (or no branch) where they do not; each source's rates are measured on its own steps. It
+        needs the load-aware rule (the fixed rule does not price)."""
         if branch_drafter not in BRANCH_DRAFTERS:
             raise ValueError(f"branch_drafter must be one of {BRANCH_DRAFTERS}, got {branch_drafter!r}")
-        if drafter is None or (recovery is None and branch_drafter == "recovery"):
+        if drafter is None or (recovery is None and branch_drafter != "first"):
             raise ValueError("mode 'd2sd' needs a drafter and a recovery drafter (--recovery-drafter DIR)")
         if tree_k < 0 or branch_len < 1 or branch_width < 1:
             raise ValueError(f"d2sd needs tree_k >= 0, branch_len >= 1 and branch_width >= 1, got {tree_k}, "
                              f"{branch_len} and {branch_width}")
         if tree_rule not in TREE_RULES:
             raise ValueError(f"tree_rule must be one of {TREE_RULES}, got {tree_rule!r}")
+        if branch_drafter == "auto" and tree_rule != "load_aware":
+            raise ValueError("branch_drafter 'auto' needs tree_rule 'load_aware': the fixed rule does not price "
+                             "the two sources against each other")
         if branch_drafter == "first":
             recovery = None  # neither run nor given a context
         for d in (drafter, recovery):
@@ -92,12 +99,16 @@ class D2SDEngine(SpecEngine):
         self._beta_obs = [0.0, 0.0]  # continuation slots accepted, tried (decayed)
         # per alternative rank at a branch's slot: accepted, tried after a chain rejection (decayed)
         self._alt_obs = [[0.0, 0.0] for _ in range(branch_width)]
+        # the same for the first drafter's next-ranked tokens, when "auto" may use them instead
+        self._first_obs = [[0.0, 0.0] for _ in range(branch_width)]
+        self._source = "first" if branch_drafter == "first" else "recovery"  # the last step's branches
         self.alt_prior = alt_prior
         self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
         self._raw_conf: dict[int, torch.Tensor] = {}
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
-        self._last_value = 0.0  # the last plan's tokens per second: the next plan's first price
-        self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0}
+        self._last_value = {"recovery": 0.0, "first": 0.0}  # each source's last plan value: its next first price
+        self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0,
+                           "planned_steps": 0, "first_drafter_steps": 0}
 
     # -- the two drafting calls (tests override them with oracles) -------------------------
     def _chain_logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
@@ -172,12 +183,20 @@ class D2SDEngine(SpecEngine):
         top1 = q.max(-1).values  # distribution-only inputs to the plan (see tree_verify)
         caps = torch.tensor([cap[i] for i in rows], device=self.device)
         conf = self._calibrated(top1)
+        auto = self.branch_drafter == "auto"
         plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
                          beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
                          trim_chain=self.tree_rule == "load_aware" and self.trim_chain,
-                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)], start=self._last_value)
+                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)],
+                         start=self._last_value["first" if self.branch_drafter == "first" else "recovery"],
+                         first_rates=[self._alt_rate(w, self._first_obs) for w in range(self.branch_width)] if auto else None,
+                         first_start=self._last_value["first"])
+        if self.branch_drafter != "first":
+            self._source = plan.source
         if plan.value == plan.value:  # nan under the fixed rule
-            self._last_value = plan.value
+            self._last_value[self._source] = plan.value
+        self.tree_stats["planned_steps"] += 1  # steps that drafted anyone (the others verify bonus tokens only)
+        self.tree_stats["first_drafter_steps"] += self._source == "first"
         chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
         extra_l = plan.extra.tolist()
         chain_len = plan.chain.tolist()
@@ -186,7 +205,7 @@ class D2SDEngine(SpecEngine):
         pending = [(j, r, ln, w) for j in range(len(rows)) for r, ln, w in zip(slots_l[j], lens_l[j], extra_l[j]) if ln >= 1]
         if not pending:
             branches = {}
-        elif self.branch_drafter == "first":
+        elif self._source == "first":
             branches = self._first_drafter_branches(seqs, rows, chain_l, pending, hot_set, q)
         else:
             branches = self._branches(seqs, rows, chain_l, pending, hot_set)
@@ -322,10 +341,11 @@ class D2SDEngine(SpecEngine):
         won, tried = self._beta_obs
         return (won + 4 * self.beta) / (tried + 4)  # a prior worth four slots
 
-    def _alt_rate(self, rank: int = 0) -> float:
+    def _alt_rate(self, rank: int = 0, obs=None) -> float:
         """How often the alternative of this rank at a branch's slot is right when the chain's
-        token is wrong there (measured; the prior halves with each rank)."""
-        won, tried = self._alt_obs[rank]
+        token is wrong there (measured; the prior halves with each rank). obs: whose record
+        (the branches' source's; the recovery drafter's by default)."""
+        won, tried = (self._alt_obs if obs is None else obs)[rank]
         return (won + 4 * self.alt_prior / 2 ** rank) / (tried + 4)
 
     def _observe_branches(self, trees: list[TreeRow], results: list[PathResult], cap) -> None:
@@ -358,7 +378,9 @@ class D2SDEngine(SpecEngine):
                 tried += length
                 won += len(on_branch) - 1
         self._beta_obs = [0.98 * self._beta_obs[0] + won, 0.98 * self._beta_obs[1] + tried]
-        self._alt_obs = [[0.98 * o[0] + a, 0.98 * o[1] + t] for o, a, t in zip(self._alt_obs, alt_won, alt_tried)]
+        # under auto the step's branches came from one source: its record moves, the other's stands
+        mine = self._first_obs if self.branch_drafter == "auto" and self._source == "first" else self._alt_obs
+        mine[:] = [[0.98 * o[0] + a, 0.98 * o[1] + t] for o, a, t in zip(mine, alt_won, alt_tried)]
 
     def _tree_cost_model(self, bs: int, rows: list[int]) -> TreeCost | None:
         if self.tree_rule == "fixed":

@@ -25,6 +25,11 @@ lengths follow (sglang_adaflash.planner): Dinkelbach's method over a price lambd
 candidate taking the l that maximises gain - lambda * cost (0 = no branch). At high concurrency
 lambda rises toward 1 / per_token, and branches whose expected tokens per verified token fall
 below the batch's own rate are dropped: the tree shrinks to the chain.
+
+Two sources of branches can be priced against each other (`first_rates`, `--branch-drafter
+auto`): the recovery drafter's, as above, and the first drafter's own next-ranked tokens at the
+same slots, one node each (length 1, no drafter cost, their own measured rates per rank). The
+plan is the better of the best tree of each; "no branch at all" is inside the second's choices.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class BranchPlan:
     value: float  # expected committed tokens per second of the plan
     chain: torch.Tensor | None = None  # [n] chain verify lengths (slot 0 included)
     extra: torch.Tensor | None = None  # [n, K] more alternatives at each branch's slot (0 = none)
+    source: str = "recovery"  # who proposes the branches: "recovery" or "first" (see first_rates)
 
 
 def candidates(conf: torch.Tensor, lengths: torch.Tensor, k: int, f: torch.Tensor | None = None):
@@ -93,6 +99,8 @@ def plan_tree(
     rounds: int = 8,
     alts: tuple[float, ...] | list[float] = (),
     start: float = 0.0,
+    first_rates: tuple[float, ...] | list[float] | None = None,
+    first_start: float = 0.0,
 ) -> BranchPlan:
     """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify; alts the
     chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
@@ -100,6 +108,11 @@ def plan_tree(
     which is usually close), so the iteration mostly ends after two rounds instead of three or
     four; from any start the prices rise to the same fixed point once a real plan's value is
     the price.
+
+    first_rates (rho_1, rho_2, ...): the first drafter's next-ranked tokens as a second source
+    of one-node branches, priced by verify tokens alone (first_start: that pass's first price);
+    the returned plan's `source` says which source won. Without it, the recovery drafter's tree
+    is weighed against no branch at all (its fixed cost is shared).
 
     cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
     as long as fits, with every alternative. Otherwise the plan maximising expected tokens per
@@ -114,21 +127,23 @@ def plan_tree(
     # a few dozen numbers per row: numpy on the host is several times faster than torch here
     dev = conf.device
     c = conf.detach().double().cpu().numpy()
-    r_all = rho.detach().double().cpu().numpy()
     capn = cap.cpu().numpy()
     n, s = c.shape
     reach = np.cumprod(c, 1)
     f_all = np.concatenate([np.ones((n, 1)), reach[:, :-1]], 1) * (1 - c)
     tau_at = np.concatenate([np.ones((n, 1)), 1 + reach.cumsum(1)], 1)  # [n, S+1]: E[tau | L] at L-1
     in_cap = np.arange(1, s + 1)[None] < capn[:, None]
-    ls = np.arange(branch_len + 1, dtype=np.float64)  # branch lengths 0..lmax
-    cont = np.concatenate([[0.0], np.cumsum(beta ** ls[:-1])])  # 1 + beta + ... (l terms)
-    row_cost = cost.per_token * ls + cost.per_branch * (ls > 0)
     kk = min(k, s)
     rows = np.arange(n)[:, None]
-    rho_alt = np.asarray(list(alts), dtype=np.float64)  # [W-1]
 
-    def plan_at(lam: float, branching: bool):
+    def source(r_all, lmax, per_branch, branch_fixed, rates):
+        ls = np.arange(lmax + 1, dtype=np.float64)  # branch lengths 0..lmax
+        cont = np.concatenate([[0.0], np.cumsum(beta ** ls[:-1])])  # 1 + beta + ... (l terms)
+        return (r_all, lmax, ls, cont, cost.per_token * ls + per_branch * (ls > 0), branch_fixed,
+                np.asarray(list(rates), dtype=np.float64))
+
+    def plan_at(lam: float, src, branching: bool):
+        r_all, lmax, ls, cont, row_cost, branch_fixed, rho_alt = src
         chain = capn
         if trim_chain:
             keep = np.cumprod((reach > lam * cost.per_token) & in_cap, 1).sum(1)
@@ -137,7 +152,7 @@ def plan_tree(
         idx = np.argsort(-f, 1, kind="stable")[:, :kk]
         fk = f[rows, idx]
         slots = idx + 1
-        longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, branch_len), 0) if branching else np.zeros_like(slots)
+        longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, lmax), 0) if branching else np.zeros_like(slots)
         gain = (fk * r_all[rows, idx])[..., None] * cont[None, None]  # [n, K, lmax+1]
         # the best prefix of the further alternatives, worth having only beside a branch (l >= 1)
         alt_net = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(fk[..., None] * rho_alt - lam * cost.per_token, 2)], 2)
@@ -150,31 +165,45 @@ def plan_tree(
         tokens = (tau_at[np.arange(n), chain - 1].sum() + np.take_along_axis(gain, choice[..., None], 2).sum()
                   + np.take_along_axis(alt_tokens, extra[..., None], 2).sum())
         spent = (cost.fixed + cost.per_token * (chain.sum() + extra.sum()) + row_cost[choice].sum()
-                 + cost.branch_fixed * bool((choice > 0).any()))
+                 + branch_fixed * bool((choice > 0).any()))
         return slots, choice, float(tokens / spent), chain, extra
 
-    best = None
-    for branching in (True, False):  # branch_fixed is shared: the best tree against no branch at all
-        if not branching and (cost.branch_fixed <= 0 or not (best[1] > 0).any()):
-            break  # nothing shared to save, or no branch taken: the first pass's optimum is the answer
-        lam = max(start, 0.0)
+    def best_of(src, branching: bool, first_price: float):
+        best, lam = None, max(first_price, 0.0)
         for i in range(rounds):
-            plan = plan_at(lam, branching)
+            plan = plan_at(lam, src, branching)
             if best is None or plan[2] > best[2]:
                 best = plan
             # a price that is a real plan's value cannot be beaten by less; a guessed one can
-            if plan[2] <= lam * (1 + 1e-7) and (i > 0 or start <= 0):
+            if plan[2] <= lam * (1 + 1e-7) and (i > 0 or first_price <= 0):
                 break
             lam = plan[2]
+        return best
+
+    recovery = source(rho.detach().double().cpu().numpy(), branch_len, cost.per_branch, cost.branch_fixed, alts)
+    best, won = best_of(recovery, True, start), "recovery"
+    if first_rates is not None and len(first_rates) > 0:
+        rates = list(first_rates)
+        first = source(np.full((n, s), float(rates[0])), 1, 0.0, 0.0, rates[1:])
+        other = best_of(first, True, first_start)
+        if other[2] > best[2]:
+            best, won = other, "first"
+    elif cost.branch_fixed > 0 and (best[1] > 0).any():
+        # branch_fixed is shared: the best tree against no branch at all (skipped where nothing
+        # is shared to save, or no branch was taken: the first pass's optimum is the answer)
+        other = best_of(recovery, False, start)
+        if other[2] > best[2]:
+            best = other
     slots, choice, value, chain, extra = best
 
     def t(x):
         return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long, device=dev)
 
-    return BranchPlan(t(slots), t(choice), value, t(chain), t(extra))
+    return BranchPlan(t(slots), t(choice), value, t(chain), t(extra), won)
 
 
-def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=(), start=0.0) -> BranchPlan:
+def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=(), start=0.0,
+                  first_rates=None) -> BranchPlan:
     """The plan for chains of fixed lengths (the verify lengths are given)."""
     return plan_tree(conf, rho, lengths, k=k, branch_len=branch_len, beta=beta, cost=cost, rounds=rounds, alts=alts,
-                     start=start)
+                     start=start, first_rates=first_rates)

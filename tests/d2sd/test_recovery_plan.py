@@ -172,3 +172,58 @@ def test_a_branch_worth_it_only_for_its_alternatives_is_taken():
     assert plan.lengths.tolist() == [[1]] and plan.extra.tolist() == [[2]]
     alone = plan_branches(conf, conf * 0 + 0.01, torch.tensor([8]), k=1, branch_len=2, beta=0.1, cost=cost)
     assert alone.lengths.tolist() == [[0]]
+
+
+def _best_by_enumeration(conf, rho, lengths, cost, *, lmax, alts, beta, drafter_cost, k=2):
+    """The best tokens per second over every tree of one source (branch lengths 0..lmax, a
+    prefix of the alternatives beside each branch)."""
+    import itertools
+
+    slots, f = candidates(conf, lengths, k)
+    rho = rho.gather(1, slots - 1)
+    room = (lengths[:, None] - slots).clamp(min=0).clamp(max=lmax)
+    base = float(chain_tau(conf, lengths).sum())
+    best = 0.0
+    n = conf.shape[0]
+    opts = [(ln, m) for ln in range(lmax + 1) for m in range(len(alts) + 1) if ln or not m]
+    for choice in itertools.product(opts, repeat=n * k):
+        ls = torch.tensor([c[0] for c in choice]).view(n, k)
+        ms = torch.tensor([c[1] for c in choice]).view(n, k)
+        if (ls > room).any():
+            continue
+        gain = sum(float(f[i, j] * rho[i, j]) * sum(beta ** s for s in range(int(ls[i, j])))
+                   + float(f[i, j]) * sum(alts[: int(ms[i, j])]) for i in range(n) for j in range(k))
+        spent = cost.fixed + float(ls.sum() + ms.sum() + lengths.sum()) * cost.per_token
+        if drafter_cost:
+            spent += cost.per_branch * int((ls > 0).sum()) + cost.branch_fixed * bool((ls > 0).any())
+        best = max(best, (base + gain) / spent)
+    return best
+
+
+def test_auto_plan_is_the_better_source_by_enumeration():
+    """--branch-drafter auto: the recovery drafter's tree (paid drafter rows, branches of up to 2
+    tokens, one more alternative) against the first drafter's next-ranked tokens (one node each,
+    verify tokens only, two ranks); the plan beats every tree of either and names its source.
+    Cases are drawn so that each source wins some of them."""
+    g = torch.Generator().manual_seed(3)
+    won = set()
+    for trial in range(10):
+        conf = torch.rand(2, 6, generator=g) * 0.6 + 0.3
+        rho_all = torch.rand(2, 6, generator=g) * 0.6 + 0.4
+        lengths = torch.tensor([7, 6])
+        cost = TreeCost(fixed=float(torch.rand((), generator=g)) * 0.02 + 0.004, per_token=1e-3,
+                        per_branch=float(torch.rand((), generator=g)) * 1e-3,
+                        branch_fixed=float(torch.rand((), generator=g)) * 2e-3)
+        first_rates = tuple(float(x) for x in torch.rand(2, generator=g) * 0.6)
+        plan = plan_branches(conf, rho_all, lengths, k=2, branch_len=2, beta=0.5, cost=cost, alts=(0.2,),
+                             first_rates=first_rates)
+        rec = _best_by_enumeration(conf, rho_all, lengths, cost, lmax=2, alts=(0.2,), beta=0.5, drafter_cost=True)
+        first = _best_by_enumeration(conf, torch.full_like(conf, first_rates[0]), lengths, cost, lmax=1,
+                                     alts=first_rates[1:], beta=0.5, drafter_cost=False)
+        assert plan.value >= max(rec, first) * (1 - 1e-5), (trial, plan.value, rec, first)
+        if abs(rec - first) > 1e-4 * max(rec, first):
+            assert plan.source == ("recovery" if rec > first else "first"), (trial, rec, first, plan.source)
+            won.add(plan.source)
+        if plan.source == "first":
+            assert (plan.lengths <= 1).all()
+    assert won == {"recovery", "first"}, won

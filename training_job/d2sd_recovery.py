@@ -15,6 +15,15 @@ as in DFlash. At serving time the known slots are the first drafter's chain up t
 point and the alternative token there: the branch is only used when those are the target's
 tokens, which is what training conditions on.
 
+Failure placement (`--fail-share F`, `--exclude-chain`): the engine asks the recovery drafter
+for its best token at slot r *other than the chain's*, and only ever uses it when the chain's
+token at r was rejected. So a share F of the anchors take the prefix where the first drafter
+really fails: the first drafter (`--first`, by default the `--init` weights, frozen) fills the
+plain block at the anchor, and p = r - 1 for its first wrong slot r. With `--exclude-chain`
+slot p + 1 is trained the way it is read: cross-entropy with the first drafter's token there
+removed from the softmax (where that token is the right one the branch never matters, and the
+slot gets no weight; the later slots keep theirs).
+
 Output: a DFlash-format checkpoint (config.json, model.safetensors, manifest.json) whose
 config.json carries adaflash_config.recovery_drafter (see sglang_adaflash.d2sd.recovery_drafter).
 The loop checkpoints atomically every `ckpt_every` steps and resumes.
@@ -51,6 +60,8 @@ class RecoveryTrainConfig:
     threads: int = 1
     ckpt_every: int = 50
     save_dtype: str = "bfloat16"
+    fail_share: float = 0.0  # anchors whose prefix ends where the first drafter first fails
+    exclude_chain: bool = False  # slot p+1 trained without the first drafter's token
 
 
 def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random,
@@ -64,6 +75,55 @@ def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: rand
         hi = min(block_size - 2, seq_len - 2 - a)
         out.append(0 if hi < 1 or rng.random() < p_zero else rng.randint(1, hi))
     return out
+
+
+def first_drafter_chain(first, feats, ids, lens, anchors, block_size: int, mask_token_id: int):
+    """The first drafter's chain at each anchor, as served (the plain DFlash block), and where it
+    first fails against the true tokens.
+
+    Returns chain [N, B] (slot 0 unused) and fail [N]: the first slot k >= 1 whose token is wrong,
+    or B where every labelled slot is right (or no slot has a label)."""
+    blocks = dfo.make_blocks(ids, lens, anchors, block_size, mask_token_id)
+    with torch.no_grad():
+        chain = first.logits(dfo.drafter_forward(first, feats, blocks)).argmax(-1)
+    wrong = (chain != blocks.labels) & (blocks.labels != dfo.IGNORE)
+    wrong[:, 0] = False
+    k = torch.arange(block_size)[None].expand_as(wrong)
+    fail = torch.where(wrong, k, block_size).min(1).values
+    return chain, fail
+
+
+def place_prefixes(anchors: list[list[int]], lens: list[int], fail: torch.Tensor, block_size: int,
+                   rng: random.Random, share: float) -> list[list[int]]:
+    """Per anchor: with chance `share`, p = fail - 1 (where the first drafter's chain first fails,
+    if it fails inside the block), else sample_prefixes' p."""
+    out, n = [], 0
+    for a_list, length in zip(anchors, lens):
+        row = sample_prefixes(a_list, length, block_size, rng)
+        for j in range(len(a_list)):
+            r = int(fail[n + j])
+            if r < block_size and rng.random() < share:
+                row[j] = r - 1
+        n += len(a_list)
+        out.append(row)
+    return out
+
+
+def exclusion_at_prefix(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chain: torch.Tensor,
+                        prefixes: torch.Tensor):
+    """Slot p+1 as the engine reads it: the chain's token there removed from the softmax where it
+    is wrong, and no weight where it is right (the branch is never used then).
+
+    Returns (logits, weights), new tensors; other slots untouched."""
+    n = torch.arange(logits.shape[0])
+    slot = (prefixes + 1).clamp(max=logits.shape[1] - 1)
+    tok = chain[n, slot]
+    right = tok == labels[n, slot]
+    out = logits.clone()
+    out[n[~right], slot[~right], tok[~right]] = float("-inf")
+    w = weights.clone()
+    w[n[right], slot[right]] = 0.0
+    return out, w
 
 
 def make_prefix_blocks(ids, lens, anchors, prefixes, block_size: int, mask_token_id: int) -> dfo.Blocks:
@@ -91,6 +151,7 @@ def weighted_ce_rows(logits, labels, weights) -> torch.Tensor:
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
                                            reduction="none").view(labels.shape)
     w = weights * (labels != dfo.IGNORE)
+    ce = torch.where(w > 0, ce, torch.zeros(()))  # an excluded right token is inf where w is 0
     return (ce * w).sum() / w.sum().clamp(min=1e-8)
 
 
@@ -122,10 +183,18 @@ def load_init(init: Path, target, mask_id: int):
 
 
 @torch.no_grad()
-def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed=0, batch=4) -> dict:
-    """Mean accepted continuation after a true prefix, at 4 random anchors per response."""
+def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed=0, batch=4, first=None,
+             width: int = 4) -> dict:
+    """Mean accepted continuation after a true prefix, at 4 random anchors per response.
+
+    With `first` (the first drafter), also the recovery drafter's job itself: at each anchor
+    where the first drafter's chain fails inside the block, at its first wrong slot r, how often
+    the recovery drafter's best token other than the chain's (prefix p = r - 1) is the right one,
+    and how often the right one is among its best `width`; beside them the same for the first
+    drafter's own next-ranked tokens at r (a tree without the second drafter), and the recovery
+    drafter's accepted continuation after r where its token was right."""
     rng = random.Random(seed)
-    acc = []
+    acc, rec1, recw, fst1, fstw, cont = [], [], [], [], [], []
     for i in range(0, len(seqs), batch):
         chunk = [s for s in seqs[i : i + batch] if len(s["output_ids"]) >= 4]
         if not chunk:
@@ -134,13 +203,54 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
         anchors = [dfo.sample_anchors(p, n, 4, rng) for p, n in zip(plens, lens)]
         prefixes = [sample_prefixes(a, n, block_size, rng) for a, n in zip(anchors, lens)]
         blocks = make_prefix_blocks(ids, lens, anchors, prefixes, block_size, mask_id)
-        hidden = dfo.drafter_forward(drafter, dfo.target_features(target, ids, layer_ids), blocks)
+        feats = dfo.target_features(target, ids, layer_ids)
+        hidden = dfo.drafter_forward(drafter, feats, blocks)
         flat = torch.tensor([p for ps in prefixes for p in ps])
         acc += continuation_accepts(drafter.logits(hidden).argmax(-1), blocks.labels, flat).tolist()
-    return {"continuation_accepted_mean": sum(acc) / max(len(acc), 1), "blocks": len(acc)}
+        if first is None:
+            continue
+        plain = dfo.make_blocks(ids, lens, anchors, block_size, mask_id)
+        first_logits = first.logits(dfo.drafter_forward(first, feats, plain))
+        chain, fail = first_drafter_chain(first, feats, ids, lens, anchors, block_size, mask_id)
+        keep = fail < block_size
+        if not keep.any():
+            continue
+        n = torch.arange(len(fail))[keep]
+        r = fail[keep]
+        at = [[] for _ in anchors]  # the failing anchors again, with p = r - 1
+        flat_anchor = [(j, a) for j, a_list in enumerate(anchors) for a in a_list]
+        for m in n.tolist():
+            at[flat_anchor[m][0]].append(flat_anchor[m][1])
+        fail_p = [[int(fail[m]) - 1 for m in n.tolist() if flat_anchor[m][0] == j] for j in range(len(anchors))]
+        fb = make_prefix_blocks(ids, lens, at, fail_p, block_size, mask_id)
+        rec_logits = drafter.logits(dfo.drafter_forward(drafter, feats, fb))
+        k = torch.arange(len(r))
+        label = fb.labels[k, r]
+        chain_tok = chain[n, r]
+        for logits_r, hit1, hitw in ((rec_logits[k, r], rec1, recw), (first_logits[n, r], fst1, fstw)):
+            ranked = logits_r.float().scatter(1, chain_tok[:, None], float("-inf")).topk(width, 1).indices
+            hit1 += (ranked[:, 0] == label).tolist()
+            hitw += (ranked == label[:, None]).any(1).tolist()
+        ok = rec_logits.argmax(-1) == fb.labels
+        run = torch.where(torch.arange(block_size)[None] > r[:, None], ok & (fb.labels != dfo.IGNORE), True)
+        right = torch.tensor(rec1[-len(r):], dtype=torch.bool)
+        cont += (run.long().cumprod(1).sum(1) - (r + 1))[right].tolist()
+    out = {"continuation_accepted_mean": sum(acc) / max(len(acc), 1), "blocks": len(acc)}
+    if first is not None:
+        def mean(x):
+            return round(sum(x) / max(len(x), 1), 4)
+
+        out["at_first_failure"] = {"anchors": len(rec1), "width": width,
+                                   "recovery_top1": mean(rec1), f"recovery_top{width}": mean(recw),
+                                   "first_next_top1": mean(fst1), f"first_next_top{width}": mean(fstw),
+                                   "recovery_continuation_when_right": mean(cont)}
+    return out
 
 
-def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path, log=print) -> dict:
+def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path, log=print, first=None) -> dict:
+    """`first`: the first drafter (frozen), needed for cfg.fail_share > 0 or cfg.exclude_chain."""
+    if (cfg.fail_share > 0 or cfg.exclude_chain) and first is None:
+        raise ValueError("fail_share and exclude_chain need the first drafter")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     mask_id = drafter.config.mask_token_id
@@ -173,12 +283,20 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
         rng = random.Random(cfg.seed * 7919 + step)
         ids, lens, plens = dfo.collate(batch, tokenizer.pad_token_id)
         anchors = [dfo.sample_anchors(p, n, cfg.anchors_per_seq, rng) for p, n in zip(plens, lens)]
-        prefixes = [sample_prefixes(a, n, b, rng) for a, n in zip(anchors, lens)]
+        feats = dfo.target_features(target, ids, layer_ids)
+        if first is not None:
+            chain, fail = first_drafter_chain(first, feats, ids, lens, anchors, b, mask_id)
+            prefixes = place_prefixes(anchors, lens, fail, b, rng, cfg.fail_share)
+        else:
+            prefixes = [sample_prefixes(a, n, b, rng) for a, n in zip(anchors, lens)]
         blocks = make_prefix_blocks(ids, lens, anchors, prefixes, b, mask_id)
         flat = torch.tensor([p for ps in prefixes for p in ps])
-        hidden = dfo.drafter_forward(drafter, dfo.target_features(target, ids, layer_ids), blocks)
+        hidden = dfo.drafter_forward(drafter, feats, blocks)
         logits = drafter.logits(hidden)
-        loss = weighted_ce_rows(logits, blocks.labels, prefix_weights(flat, b, cfg.gamma))
+        weights = prefix_weights(flat, b, cfg.gamma)
+        if cfg.exclude_chain:
+            logits, weights = exclusion_at_prefix(logits, blocks.labels, weights, chain, flat)
+        loss = weighted_ce_rows(logits, blocks.labels, weights)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
@@ -187,6 +305,7 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
         if step % 10 == 0:
             with torch.no_grad():
                 acc = continuation_accepts(logits.argmax(-1), blocks.labels, flat).float().mean().item()
+            # (with exclude_chain, slot p+1's argmax is the best token other than the chain's)
             log(json.dumps({"step": step, "loss": round(loss.item(), 4), "cont_acc": round(acc, 3),
                             "lr": lr, "step_s": round(time.time() - t0, 2)}))
     dfo._save(ckpt, {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step})
@@ -217,6 +336,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training_job.d2sd_recovery", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--init", required=True, type=Path, help="first drafter: checkpoint dir or drafter_ckpt.pt")
+    ap.add_argument("--first", type=Path, default=None,
+                    help="the first drafter the recovery drafter serves with (default: --init), for "
+                         "--fail-share, --exclude-chain and the at-first-failure evaluation")
+    ap.add_argument("--fail-share", type=float, default=RecoveryTrainConfig.fail_share,
+                    help="share of anchors whose prefix ends where the first drafter first fails")
+    ap.add_argument("--exclude-chain", action="store_true",
+                    help="train slot p+1 without the first drafter's token (the way the engine reads it)")
+    ap.add_argument("--lr", type=float, default=RecoveryTrainConfig.lr)
+    ap.add_argument("--seed", type=int, default=RecoveryTrainConfig.seed)
     ap.add_argument("--data", required=True, type=Path, help="regenerated responses (JSONL)")
     ap.add_argument("--eval-data", type=Path, default=None)
     ap.add_argument("--work", required=True, type=Path)
@@ -227,21 +355,30 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads)
+    if not 0.0 <= args.fail_share <= 1.0:
+        ap.error(f"--fail-share must be in [0, 1], got {args.fail_share}")
+    cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads, fail_share=args.fail_share,
+                              exclude_chain=args.exclude_chain, lr=args.lr, min_lr=args.lr / 10, seed=args.seed)
     torch.set_num_threads(cfg.threads)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     mask_id = tokenizer.convert_tokens_to_ids(cf.MASK)
     drafter = load_init(args.init, target, mask_id)
     drafter.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    first = load_init(args.first or args.init, target, mask_id).eval()
+    first.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    for prm in first.parameters():
+        prm.requires_grad_(False)
     domains = set(args.domains.split(","))
     seqs = [s for s in read_jsonl(args.data) if s.get("domain") in domains]
     ev = [s for s in read_jsonl(args.eval_data) if s.get("domain") in domains] if args.eval_data else seqs[:64]
     layer_ids, b = list(drafter.config.target_layer_ids), drafter.config.block_size
-    before = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id)
+    before = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id, first=first)
     print(json.dumps({"eval_before": before}), flush=True)
-    stats = train(target, tokenizer, drafter, seqs, cfg, args.work, log=lambda s: print(s, flush=True))
-    after = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id)
+    needs_first = cfg.fail_share > 0 or cfg.exclude_chain
+    stats = train(target, tokenizer, drafter, seqs, cfg, args.work, log=lambda s: print(s, flush=True),
+                  first=first if needs_first else None)
+    after = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id, first=first)
     print(json.dumps({"eval_after": after}), flush=True)
     training = {"algorithm": "d2sd-recovery-offline", "records": len(seqs), **stats, "config": asdict(cfg),
                 "domains": sorted(domains)}

@@ -100,6 +100,26 @@ def stage_unlikelihood(out: Path, data_dir: Path, base_dir: Path, cfg: Unlikelih
     return target_dir
 
 
+def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: DrafterTrainConfig,
+                         progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """The target's greedy responses the drafters train on (work/regen.train.jsonl, code and
+    prose) and are measured on (work/regen.heldout.jsonl); resumes from what is there."""
+    from . import dflash_offline as dfo
+
+    work.mkdir(parents=True, exist_ok=True)
+    train_recs = []
+    for d in cfg.domains:
+        recs = load_split(data_dir, d, "train")
+        random.Random(cfg.seed).shuffle(recs)
+        train_recs += recs[:cfg.max_prompts_per_domain]
+    seqs = dfo.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
+                          cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
+    eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
+                               cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    return seqs, eval_seqs
+
+
 def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrainConfig,
                   progress: bool = True) -> Path:
     """Regenerate with the target, train the drafter on code and prose, then its length head."""
@@ -112,20 +132,10 @@ def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrain
     if (drafter_dir / "manifest.json").exists():
         return drafter_dir
     work = out / "drafter_work"
-    work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    train_recs = []
-    for d in cfg.domains:
-        recs = load_split(data_dir, d, "train")
-        random.Random(cfg.seed).shuffle(recs)
-        train_recs += recs[:cfg.max_prompts_per_domain]
-    seqs = dfo.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
-                          cfg.max_new_tokens, cfg.gen_batch_size, progress)
-    eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
-    eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
-                               cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    seqs, eval_seqs = regenerate_responses(work, data_dir, target, tokenizer, cfg, progress)
     drafter, train_stats = dfo.train_drafter(target, tokenizer, seqs, cfg, work, progress)
     head_stats = dfo.train_length_head(target, tokenizer, drafter, seqs, cfg, work, progress)
     tau = {d: dfo.evaluate_blocks(target, tokenizer, drafter,
@@ -211,9 +221,25 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-progress", action="store_true")
     s = sub.add_parser("ship", help="copy a build into sglang_adaflash/assets/")
     s.add_argument("--from", dest="src", type=Path, required=True)
+    r = sub.add_parser("regen", help="the drafter stage's data alone: OUT/drafter_work/regen.{train,heldout}.jsonl "
+                                     "from a built or shipped target (for training_job.d2sd_recovery)")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--target", type=Path, required=True, help="target directory (e.g. the shipped one)")
+    r.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "ship":
         ship(args.src)
+        return 0
+    if args.cmd == "regen":
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dcfg = DrafterTrainConfig()
+        torch.set_num_threads(dcfg.threads)
+        target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+        regenerate_responses(args.out / "drafter_work", stage_data(args.out, False), target, tokenizer, dcfg,
+                             not args.no_progress)
         return 0
     stages = tuple(x for x in args.stages.split(",") if x)
     unknown = set(stages) - set(STAGES)

@@ -64,3 +64,111 @@ def test_loss_goes_down_on_a_fixed_toy_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def _toy_drafter(block=4):
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=block), MASK)
+    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    return d.eval()
+
+
+def test_first_drafter_chain_finds_the_first_wrong_slot():
+    """The chain depends on the anchor's token and the context before it only, so the tokens
+    after the anchor can be set to the chain's own: right for slots 1..2, wrong at 3."""
+    torch.manual_seed(1)
+    d = _toy_drafter(block=6)
+    ids = torch.randint(8, 64, (1, 20))
+    feats = torch.randn(1, 20, 64)
+    chain, _ = rec.first_drafter_chain(d, feats, ids, [20], [[5]], 6, MASK)
+    ids[0, 6:8] = chain[0, 1:3]
+    ids[0, 8] = (chain[0, 3] + 1) % 64
+    again, fail = rec.first_drafter_chain(d, feats, ids, [20], [[5]], 6, MASK)
+    assert torch.equal(again, chain) and fail.tolist() == [3]
+    ids[0, 8:11] = chain[0, 3:6]  # every labelled slot right: no failure inside the block
+    assert rec.first_drafter_chain(d, feats, ids, [20], [[5]], 6, MASK)[1].tolist() == [6]
+
+
+def test_failure_placed_prefixes_end_before_the_first_wrong_slot():
+    rng = random.Random(0)
+    fail = torch.tensor([3, 16, 1, 5])  # 16 = B: the chain never fails there
+    placed = rec.place_prefixes([[4, 9], [2, 7]], [40, 40], fail, 16, rng, share=1.0)
+    assert placed[0][0] == 2 and placed[1] == [0, 4]
+    assert 0 <= placed[0][1] <= 14  # no failure: an ordinary sampled prefix
+    for seed in range(20):  # without failures to place, share changes nothing
+        r1, r2 = random.Random(seed), random.Random(seed)
+        no_fail = torch.full((2,), 16)
+        assert rec.place_prefixes([[4, 9]], [40], no_fail, 16, r1, 1.0) == [rec.sample_prefixes([4, 9], 40, 16, r2)]
+
+
+def test_exclusion_removes_the_chain_token_only_where_it_is_wrong():
+    """Slot p+1 is read as 'best token other than the chain's'; where the chain is right there the
+    branch is never used and the slot gets no weight. Other slots are untouched."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 8, requires_grad=True)
+    labels = torch.tensor([[IGNORE, 5, 6, 7], [IGNORE, IGNORE, 2, 3]])
+    chain = torch.tensor([[0, 4, 6, 1], [0, 0, 2, 5]])  # row 0: slot 1 wrong (4 != 5); row 1: slot 2 right
+    prefixes = torch.tensor([0, 1])
+    w = rec.prefix_weights(prefixes, 4, 7.0)
+    out, w2 = rec.exclusion_at_prefix(logits, labels, w, chain, prefixes)
+    assert out[0, 1, 4] == float("-inf") and torch.isfinite(out[0, 1, [0, 1, 2, 3, 5, 6, 7]]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[0, 2:]).all()
+    assert w2[1, 2] == 0 and w2[1, 3] == w[1, 3] and torch.equal(w2[0], w[0])
+    loss = rec.weighted_ce_rows(out, labels, w2)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert logits.grad[0, 1, 4] == 0  # the excluded token gets no gradient
+    assert (logits.grad[1, 2] == 0).all()  # the unweighted slot neither
+    assert logits.grad[0, 1, 5] < 0 and logits.grad[1, 3].abs().sum() > 0
+    # against a hand computation: slot 1 of row 0 is CE over the 7 other tokens
+    keep = [0, 1, 2, 3, 5, 6, 7]
+    hand = -torch.log_softmax(logits[0, 1, keep].detach(), 0)[keep.index(5)]
+    ce = torch.nn.functional.cross_entropy(out[:, :, :].flatten(0, 1).detach(), labels.flatten().clamp(min=0),
+                                           reduction="none").view(2, 4)
+    torch.testing.assert_close(ce[0, 1], hand)
+
+
+def test_failure_placed_training_runs_and_learns():
+    torch.manual_seed(0)
+    d = _toy_drafter()
+    first = _toy_drafter()
+    ids = torch.randint(8, 64, (2, 16))
+    feats = torch.randn(2, 16, 64)
+    anchors = [[2, 6, 9], [4, 8, 11]]
+    chain, fail = rec.first_drafter_chain(first, feats, ids, [16, 16], anchors, 4, MASK)
+    prefixes = rec.place_prefixes(anchors, [16, 16], fail, 4, random.Random(0), share=1.0)
+    b = rec.make_prefix_blocks(ids, [16, 16], anchors, prefixes, 4, MASK)
+    flat = torch.tensor([p for ps in prefixes for p in ps])
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        logits, w = rec.exclusion_at_prefix(d.logits(drafter_forward(d, feats, b)), b.labels,
+                                            rec.prefix_weights(flat, 4, 7.0), chain, flat)
+        loss = rec.weighted_ce_rows(logits, b.labels, w)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_evaluation_at_first_failure_reads_both_drafters():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    target = Qwen3ForCausalLM(tc).eval()
+    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4), MASK)
+    d.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    seqs = [{"prompt_ids": torch.randint(8, 64, (5,)).tolist(), "output_ids": torch.randint(8, 64, (12,)).tolist()}
+            for _ in range(6)]
+    out = rec.evaluate(target, d, seqs, [0, 1], 4, MASK, 0, first=d, width=2)
+    f = out["at_first_failure"]
+    assert f["anchors"] > 0 and f["width"] == 2
+    assert 0 <= f["recovery_top1"] <= f["recovery_top2"] <= 1
+    assert 0 <= f["first_next_top1"] <= f["first_next_top2"] <= 1
+    assert "at_first_failure" not in rec.evaluate(target, d, seqs, [0, 1], 4, MASK, 0)

@@ -83,14 +83,21 @@ def first_drafter_chain(first, feats, ids, lens, anchors, block_size: int, mask_
 
     Returns chain [N, B] (slot 0 unused) and fail [N]: the first slot k >= 1 whose token is wrong,
     or B where every labelled slot is right (or no slot has a label)."""
+    chain, fail, _ = _first_drafter_blocks(first, feats, ids, lens, anchors, block_size, mask_token_id)
+    return chain, fail
+
+
+def _first_drafter_blocks(first, feats, ids, lens, anchors, block_size: int, mask_token_id: int):
+    """first_drafter_chain, plus the first drafter's logits [N, B, V] of those blocks."""
     blocks = dfo.make_blocks(ids, lens, anchors, block_size, mask_token_id)
     with torch.no_grad():
-        chain = first.logits(dfo.drafter_forward(first, feats, blocks)).argmax(-1)
+        logits = first.logits(dfo.drafter_forward(first, feats, blocks))
+    chain = logits.argmax(-1)
     wrong = (chain != blocks.labels) & (blocks.labels != dfo.IGNORE)
     wrong[:, 0] = False
     k = torch.arange(block_size)[None].expand_as(wrong)
     fail = torch.where(wrong, k, block_size).min(1).values
-    return chain, fail
+    return chain, fail, logits
 
 
 def place_prefixes(anchors: list[list[int]], lens: list[int], fail: torch.Tensor, block_size: int,
@@ -209,9 +216,7 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
         acc += continuation_accepts(drafter.logits(hidden).argmax(-1), blocks.labels, flat).tolist()
         if first is None:
             continue
-        plain = dfo.make_blocks(ids, lens, anchors, block_size, mask_id)
-        first_logits = first.logits(dfo.drafter_forward(first, feats, plain))
-        chain, fail = first_drafter_chain(first, feats, ids, lens, anchors, block_size, mask_id)
+        chain, fail, first_logits = _first_drafter_blocks(first, feats, ids, lens, anchors, block_size, mask_id)
         keep = fail < block_size
         if not keep.any():
             continue

@@ -10,13 +10,12 @@ from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.d2sd.engine import D2SDEngine
 from sglang_adaflash.d2sd.recovery import TreeCost
 from sglang_adaflash.engine.engine import SpecEngine
-from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB, _conditional_pvalues
+from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB, _conditional_pvalues
 from .conftest import OracleD2SD, recovery_for
-from .test_d2sd_engine import _prompts, _run
+from .test_d2sd_engine import _mixed_run, _prompts, _run
 from .test_tree_verify import _no_residual_walk
 
 
@@ -82,11 +81,7 @@ def test_every_position_follows_the_target_with_both_sources(wrong, monkeypatch)
         target, drafter, recovery, tree_k=2, branch_len=2, branch_width=2, branch_drafter="auto",
         max_batch_size=64, max_seq_len=32, seed=321, cost_model=StepCostModel(1.0, 1e-4))
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
-    greedy = SamplingParams(max_new_tokens=NEW)
-    reqs = [Request(list(PROMPT), greedy if i % 10 == 0 else sp) for i in range(4000)]
-    outs = eng.run(reqs)
-    samples = [tuple(o.output_ids) for o, r in zip(outs, reqs) if not r.sampling.greedy]
-    assert len({tuple(o.output_ids) for o, r in zip(outs, reqs) if r.sampling.greedy}) == 1
+    samples = _mixed_run(eng, sp)
     steps, first = eng.tree_stats["planned_steps"], eng.tree_stats["first_drafter_steps"]
     assert 0.3 * steps < first < 0.7 * steps, eng.tree_stats
     assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats

@@ -125,6 +125,16 @@ def test_load_aware_tree_shrinks_to_a_chain_when_verify_tokens_are_dear(target, 
 # -- T > 0 ------------------------------------------------------------------------------------
 # (the per-position chi-square is the engine's own losslessness test's, on the same tiny pair)
 
+def _mixed_run(eng, sp, n=4000):
+    """n requests of PROMPT, every tenth greedy (those must agree), the rest sampled with sp:
+    the sampled outputs."""
+    greedy = SamplingParams(max_new_tokens=NEW)
+    reqs = [Request(list(PROMPT), greedy if i % 10 == 0 else sp) for i in range(n)]
+    outs = eng.run(reqs)
+    assert len({tuple(o.output_ids) for o, r in zip(outs, reqs) if r.sampling.greedy}) == 1
+    return [tuple(o.output_ids) for o, r in zip(outs, reqs) if not r.sampling.greedy]
+
+
 @pytest.mark.parametrize("wrong", [False, True])
 def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
     """Trees with two branches per step, greedy rows mixed in; control: a sampler that does not
@@ -137,11 +147,7 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, tree_rule="fixed", max_batch_size=64,
                      max_seq_len=32, seed=321)
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
-    greedy = SamplingParams(max_new_tokens=NEW)
-    reqs = [Request(list(PROMPT), greedy if i % 10 == 0 else sp) for i in range(4000)]
-    outs = eng.run(reqs)
-    samples = [tuple(o.output_ids) for o, r in zip(outs, reqs) if not r.sampling.greedy]
-    assert len({tuple(o.output_ids) for o, r in zip(outs, reqs) if r.sampling.greedy}) == 1
+    samples = _mixed_run(eng, sp)
     assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats
     pvalues = _conditional_pvalues(target, sp, samples)
     if wrong:

@@ -13,6 +13,16 @@ from training_job.dflash_offline import IGNORE, DrafterTrainConfig, build_drafte
 MASK = 3
 
 
+def _toy_drafter(block=4):
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=block), MASK)
+    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    return d.eval()
+
+
 def test_prefix_blocks_hold_true_tokens_and_label_only_the_rest():
     ids = torch.arange(10, 30)[None]  # token at position t is 10 + t
     b = rec.make_prefix_blocks(ids, [20], [[4, 9]], [[2, 5]], 6, MASK)
@@ -44,12 +54,7 @@ def test_continuation_accepts_counts_after_the_prefix():
 
 def test_loss_goes_down_on_a_fixed_toy_batch():
     torch.manual_seed(0)
-    from transformers import Qwen3Config
-
-    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4), MASK)
-    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    d = _toy_drafter().train()
     ids = torch.randint(8, 64, (2, 16))
     feats = torch.randn(2, 16, 64)
     prefixes = [[1, 2, 1], [2, 1, 1]]
@@ -64,16 +69,6 @@ def test_loss_goes_down_on_a_fixed_toy_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
-
-
-def _toy_drafter(block=4):
-    from transformers import Qwen3Config
-
-    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=block), MASK)
-    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
-    return d.eval()
 
 
 def test_first_drafter_chain_finds_the_first_wrong_slot():

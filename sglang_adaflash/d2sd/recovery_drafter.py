@@ -23,7 +23,7 @@ import torch
 from ..core.kv_cache import SlotKVCache
 from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
-from ..engine.proposer import DFlashProposer, _consecutive
+from ..engine.proposer import DFlashProposer
 
 RECOVERY_KEY = "recovery_drafter"
 RECOVERY_FORMAT = 1
@@ -70,18 +70,28 @@ def load_recovery_drafter(path: str | os.PathLike, first: DFlashDrafter, *, dtyp
 class TreeProposer(DFlashProposer):
     """The first drafter's proposer, plus the recovery drafter's own context cache.
 
-    Both drafters read the same committed target features; extend_context and move keep the two
-    caches in step, so the engine's prefill, catch-up and retirement paths serve both. Without a
-    recovery drafter (trees from the first drafter alone) it is the first drafter's proposer.
+    Both drafters read the same committed target features, and the engine's prefill, catch-up
+    and retirement paths reach both through extend_context and move. The recovery drafter's
+    cache is brought up to date lazily: extend_context queues the features per slot, and the
+    queue is projected in one batched call when a recovery forward reads that slot
+    (propose_branches), or once any queue holds FLUSH_AFTER entries (bounded memory). A step
+    whose plan takes no recovery branch (`--branch-drafter auto` at low load, mostly) then
+    pays nothing for the second drafter's context. The cache ends up as eager writes would
+    leave it at every committed position. Without a recovery drafter it is the first drafter's
+    proposer.
     """
+
+    FLUSH_AFTER = 64
 
     def __init__(self, drafter: DFlashDrafter, recovery: DFlashDrafter | None, *, num_slots: int, capacity: int):
         super().__init__(drafter, num_slots=num_slots, capacity=capacity)
         self.recovery, self.rcache = recovery, None
+        # slot -> [(start, features [A, K*H])], contiguous in position: not yet in rcache
+        self._lag: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.lag_flushes = 0  # batched catch-up calls (tests and benchmarks read it)
         if recovery is None:
             return
         cfg = recovery.config
-        self.recovery = recovery
         ref = recovery.fc.weight
         self.rcache = SlotKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   num_slots=num_slots, capacity=capacity, dtype=ref.dtype, device=ref.device)
@@ -91,21 +101,51 @@ class TreeProposer(DFlashProposer):
         super().extend_context(target_hidden, starts, slots)
         if self.recovery is None:
             return
-        a = target_hidden.shape[1]
-        positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
-        kv = self.recovery.context_kv(self.recovery.project_context(target_hidden), positions)
-        if _consecutive(slots):
-            for layer, (k, v) in enumerate(kv):
-                self.rcache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
+        for slot, start, feats in zip(slots, starts.tolist(), target_hidden):
+            queue = self._lag.setdefault(slot, [])
+            while queue and queue[-1][0] >= start:  # overwritten from `start` on (a rollback or a new request)
+                queue.pop()
+            if queue:
+                s0, f0 = queue[-1]
+                if s0 + f0.shape[0] < start:  # a gap (not made by the engine): write what is queued first
+                    self.catch_up([slot])
+                    queue = self._lag.setdefault(slot, [])
+                else:
+                    # its rows from `start` on were padding or rejected; a copy frees the step's batch tensor
+                    queue[-1] = (s0, f0[: start - s0].clone())
+            queue.append((start, feats))
+        if any(len(q) >= self.FLUSH_AFTER for q in self._lag.values()):
+            self.catch_up(list(self._lag))
+
+    @torch.inference_mode()
+    def catch_up(self, slots) -> None:
+        """Project the queued features of these slots into the recovery cache, in one call."""
+        rows = [(slot, self._lag.pop(slot)) for slot in dict.fromkeys(slots) if self._lag.get(slot)]
+        if not rows:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=positions.device)
+        feats = [torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1] for _, queue in rows]
+        width = max(f.shape[0] for f in feats)
+        batch = feats[0].new_zeros(len(rows), width, feats[0].shape[-1])
+        for j, f in enumerate(feats):
+            batch[j, : f.shape[0]] = f  # the zero rows land past every committed position
+        device = batch.device
+        starts = torch.tensor([queue[0][0] for _, queue in rows], device=device)
+        positions = starts[:, None] + torch.arange(width, device=device)[None]
+        kv = self.recovery.context_kv(self.recovery.project_context(batch), positions)
+        index = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv):
             self.rcache.write_slots(layer, index, positions, k, v)
+        self.lag_flushes += 1
 
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)
-        if self.rcache is not None:
-            self.rcache.move(src, dst, length)
+        if self.rcache is None or src == dst:
+            return
+        self.rcache.move(src, dst, length)
+        self._lag.pop(dst, None)
+        queue = self._lag.pop(src, None)
+        if queue:
+            self._lag[dst] = queue  # positions before its first start came with rcache.move
 
     @torch.inference_mode()
     def propose_branches(self, block_ids: torch.Tensor, ctx_lens: torch.Tensor, slots: torch.Tensor,
@@ -114,6 +154,8 @@ class TreeProposer(DFlashProposer):
         masks), ctx_lens [m] and cache slots [m] (repeats allowed) -> block states [m, B, H],
         or [m, R, H] at the block slots read [m, R] (DFlashDrafter.forward)."""
         m, b = block_ids.shape
+        if self._lag:
+            self.catch_up(slots.tolist())
         embeds = self.recovery.embed_tokens(block_ids)
         positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
         c = int(ctx_lens.max())

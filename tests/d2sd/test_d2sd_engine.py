@@ -203,6 +203,7 @@ def test_drafter_contexts_hold_the_committed_path_only(target, drafter):
     target.capture_layer_ids = list(drafter.config.target_layer_ids)
     _, feats = target.forward(TargetBatch.from_lists([toks], [0]), fresh)
     pos = torch.arange(len(toks))[None]
+    eng.proposer.catch_up([0])  # the recovery cache as a recovery forward would read it (it fills lazily)
     for model, cache in ((drafter, eng.proposer.cache), (eng.recovery, eng.proposer.rcache)):
         with torch.inference_mode():
             kvs = model.context_kv(model.project_context(feats[None]), pos)

@@ -318,7 +318,8 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
     return {"steps": step}
 
 
-def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, training: dict, evaluation: dict) -> Path:
+def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, training: dict, evaluation: dict,
+           version: str = "recovery-v1") -> Path:
     from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
     from sglang_adaflash.drafter.checkpoint import write_checkpoint
     from sglang_adaflash.drafter.manifest import build_manifest, target_fingerprint
@@ -331,7 +332,7 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     dc = dc.replace(raw=raw)
     dtype = getattr(torch, cfg.save_dtype)
     write_checkpoint(out, dc, {k: v.to(dtype) for k, v in drafter.state_dict().items()}, overwrite=True)
-    manifest = build_manifest(out, version="recovery-v1", parent=None, target=target_fingerprint(target_dir),
+    manifest = build_manifest(out, version=version, parent=None, target=target_fingerprint(target_dir),
                               training=training, eval=evaluation)
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return out
@@ -357,6 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=RecoveryTrainConfig.steps)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--domains", default="code,prose")
+    ap.add_argument("--version", default="recovery-v1", help="the version its manifest names")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -389,7 +391,7 @@ def main(argv=None) -> int:
                 "domains": sorted(domains)}
     evaluation = {"init": before, "trained": after,
                   "method": "accepted continuation after a true prefix p in [0, B-2], 4 anchors per held-out response"}
-    export(drafter, args.target, args.out, cfg, training, evaluation)
+    export(drafter, args.target, args.out, cfg, training, evaluation, version=args.version)
     return 0
 
 

@@ -167,3 +167,22 @@ def test_evaluation_at_first_failure_reads_both_drafters():
     assert 0 <= f["recovery_top1"] <= f["recovery_top2"] <= 1
     assert 0 <= f["first_next_top1"] <= f["first_next_top2"] <= 1
     assert "at_first_failure" not in rec.evaluate(target, d, seqs, [0, 1], 4, MASK, 0)
+
+
+def test_export_writes_a_recovery_checkpoint_under_the_version_asked(tmp_path):
+    import json
+
+    from transformers import Qwen3Config
+
+    from sglang_adaflash.d2sd.recovery_drafter import check_recovery_config
+    from sglang_adaflash.drafter.checkpoint import read_config
+    from sglang_adaflash.drafter.manifest import verify_manifest_files
+
+    Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2).save_pretrained(tmp_path / "target")
+    first = _toy_drafter()
+    out = rec.export(first, tmp_path / "target", tmp_path / "rec", rec.RecoveryTrainConfig(steps=1), {"steps": 1},
+                     {"trained": {}}, version="recovery-v7")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["version"] == "recovery-v7" and manifest["parent"] is None
+    verify_manifest_files(out)
+    check_recovery_config(read_config(out), first, str(out))  # the engine's check accepts it

@@ -1,0 +1,132 @@
+"""Where a c=1 decode step's time goes, by wall-clock timers instead of a profiler.
+
+cProfile (micro.py) inflates the Python-heavy parts of a tree step several times over; this
+wraps the step's parts in perf_counter timers only (a few microseconds each) and serves the 16
+in-domain prompts of prompts16.jsonl at c=1 with dflash and with d2sd's three branch sources
+(tree-k 4, branch-len 4, width 4, load-aware), the modes interleaved over --repeats rounds;
+each figure is the median over the rounds, a ratio to dflash the median of the
+ratios within each round.
+
+    python benchmarks/d2sd/step_parts.py --out benchmarks/d2sd/step_parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.runner import BenchConfig, build_workload  # noqa: E402
+from sglang_adaflash.d2sd import engine as d2sd_engine  # noqa: E402
+from sglang_adaflash.d2sd.cli import RECOVERY_DIR  # noqa: E402
+from sglang_adaflash.d2sd.recovery_drafter import TreeProposer, load_recovery_drafter  # noqa: E402
+from sglang_adaflash.engine.engine import EngineStats, SpecEngine  # noqa: E402
+from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
+from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
+from sglang_adaflash.launch.loading import load_pair  # noqa: E402
+from sglang_adaflash.launch.prompts import read_prompts  # noqa: E402
+
+PROMPTS = ROOT / "benchmarks" / "d2sd" / "prompts16.jsonl"
+# (owner, attribute): the parts timed. Nested parts are inside their callers' times.
+PARTS = [
+    (SpecEngine, "_decode_step"),
+    (SpecEngine, "_draft"),
+    (SpecEngine, "_update_context"),
+    (d2sd_engine.D2SDEngine, "_decode_step"),
+    (d2sd_engine.D2SDEngine, "_chain_logits"),
+    (d2sd_engine.D2SDEngine, "_branches"),
+    (d2sd_engine.D2SDEngine, "_first_drafter_branches"),
+    (d2sd_engine.D2SDEngine, "_walk"),
+    (TreeProposer, "catch_up"),
+    (TreeProposer, "propose_branches"),
+    (d2sd_engine, "tree_forward"),
+    (d2sd_engine, "plan_tree"),
+    (d2sd_engine, "commit_paths"),
+    (d2sd_engine, "flatten"),
+]
+
+
+def _instrument(totals: dict) -> None:
+    for owner, name in PARTS:
+        fn = getattr(owner, name)
+        label = f"dflash{name}" if owner is SpecEngine else name
+
+        @functools.wraps(fn)
+        def timed(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    totals: dict[str, float] = defaultdict(float)
+    _instrument(totals)
+    pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
+    recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
+    cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
+    wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
+    tree = dict(tree_k=4, branch_len=4, branch_width=4, tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
+    engines = {
+        "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16),
+        "d2sd_first": d2sd_engine.D2SDEngine(pair.target, pair.drafter, None, branch_drafter="first",
+                                             **{**tree, "branch_len": 1}),
+        "d2sd_auto": d2sd_engine.D2SDEngine(pair.target, pair.drafter, recovery, branch_drafter="auto", **tree),
+        "d2sd_recovery": d2sd_engine.D2SDEngine(pair.target, pair.drafter, recovery, branch_drafter="recovery",
+                                                **tree),
+    }
+    for eng in engines.values():
+        eng.run(wl.requests(16, pair.stop_token_ids)[:4])  # warm-up, and the cost models' first fit
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for _ in range(args.repeats):
+        for name, eng in engines.items():
+            totals.clear()
+            eng.stats = EngineStats()
+            t0 = time.perf_counter()
+            eng.run(wl.requests(16, pair.stop_token_ids))
+            wall = time.perf_counter() - t0
+            steps = eng.stats.steps
+            runs[name].append({"tokens_per_s": eng.stats.committed_tokens / wall,
+                               "tau": eng.stats.committed_tokens / steps, "ms_per_step": wall / steps * 1e3,
+                               **{f"{k}_ms": v / steps * 1e3 for k, v in totals.items()}})
+    result = {name: {k: round(statistics.median(r[k] for r in rs if k in r), 3) for k in rs[0]}
+              for name, rs in runs.items()}
+    for name, r in result.items():  # ratios within each round (the machine drifts between rounds), then the median
+        for key, field in (("vs_dflash_tokens_per_s", "tokens_per_s"), ("vs_dflash_tau", "tau")):
+            per_round = [a[field] / b[field] for a, b in zip(runs[name], runs["dflash"])]
+            r[key] = round(statistics.median(per_round), 3)
+            r[key + "_rounds"] = [round(x, 3) for x in per_round]
+    report = {"command": "python benchmarks/d2sd/step_parts.py --out " + str(args.out),
+              "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
+                           "repeats": args.repeats},
+              "results": result,
+              "note": "ms per decode step, medians over the repeats; nested parts are inside their callers "
+                      "(dflash_decode_step holds dflash_draft and dflash_update_context; propose_branches holds catch_up; _branches holds propose_branches and the LM head; "
+                      "ms_per_step includes prefill and admission, _decode_step does not)"}
+    write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
+    for name, r in result.items():
+        print(name, json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

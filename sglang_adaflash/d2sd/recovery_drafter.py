@@ -99,8 +99,10 @@ class TreeProposer(DFlashProposer):
     @torch.inference_mode()
     def extend_context(self, target_hidden, starts, slots) -> None:
         super().extend_context(target_hidden, starts, slots)
-        if self.recovery is None:
+        if self.recovery is None or target_hidden.shape[1] == 0:  # nothing written, nothing overwritten
             return
+        # A call at `start` ends each slot's committed context by start + A (its later rows are
+        # padding); the engine's calls all do. Queued rows from `start` on are dropped.
         for slot, start, feats in zip(slots, starts.tolist(), target_hidden):
             queue = self._lag.setdefault(slot, [])
             while queue and queue[-1][0] >= start:  # overwritten from `start` on (a rollback or a new request)

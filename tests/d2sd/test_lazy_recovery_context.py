@@ -92,3 +92,13 @@ def test_nothing_is_projected_until_read():
     lazy.propose_branches(ids, torch.tensor([27]), torch.tensor([1]))  # reads slot 1 only
     assert lazy.lag_flushes == 1 and list(lazy._lag) == [0]
     assert float(lazy.rcache.k[0][1].abs().sum()) > 0 and float(lazy.rcache.k[0][0].abs().sum()) == 0
+
+
+def test_an_empty_extension_drops_nothing_queued():
+    lazy, eager, feat = _pair()
+    x = torch.randn(1, 6, feat)
+    for p in (lazy, eager):
+        p.extend_context(x, torch.tensor([0]), [0])
+        p.extend_context(torch.randn(1, 0, feat), torch.tensor([3]), [0])
+    lazy.catch_up([0])
+    _same(lazy, eager, 0, 6)

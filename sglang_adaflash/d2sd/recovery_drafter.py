@@ -121,23 +121,28 @@ class TreeProposer(DFlashProposer):
 
     @torch.inference_mode()
     def catch_up(self, slots) -> None:
-        """Project the queued features of these slots into the recovery cache, in one call."""
+        """Project the queued features of these slots into the recovery cache, in one call.
+
+        The rows are packed, not padded: the projection and K/V are per token, so a long prompt
+        in one slot costs nothing for the others."""
         rows = [(slot, self._lag.pop(slot)) for slot in dict.fromkeys(slots) if self._lag.get(slot)]
         if not rows:
             return
-        feats = [torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1] for _, queue in rows]
-        width = max(f.shape[0] for f in feats)
-        batch = feats[0].new_zeros(len(rows), width, feats[0].shape[-1])
-        for j, f in enumerate(feats):
-            batch[j, : f.shape[0]] = f  # the zero rows land past every committed position
-        device = batch.device
-        starts = torch.tensor([queue[0][0] for _, queue in rows], device=device)
-        positions = starts[:, None] + torch.arange(width, device=device)[None]
-        kv = self.recovery.context_kv(self.recovery.project_context(batch), positions)
-        index = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=device)
-        for layer, (k, v) in enumerate(kv):
-            self.rcache.write_slots(layer, index, positions, k, v)
+        feats = torch.cat([f for _, queue in rows for _, f in queue])  # [T, K*H]
+        device = feats.device
+        positions = torch.cat([torch.arange(queue[0][0], queue[0][0] + sum(f.shape[0] for _, f in queue),
+                                            device=device) for _, queue in rows])
+        index = torch.cat([torch.full((sum(f.shape[0] for _, f in queue),), slot, dtype=torch.long, device=device)
+                           for slot, queue in rows])
+        pos = positions.clamp(max=self.rcache.capacity - 1)  # padding past capacity is never committed
+        kv = self.recovery.context_kv(self.recovery.project_context(feats[None]), positions[None])
+        for layer, (k, v) in enumerate(kv):  # [1, kvh, T, hd]
+            self.rcache.write_flat(layer, index, pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
         self.lag_flushes += 1
+
+    def release(self, slot: int) -> None:
+        """The request in this slot left: its queued features are dropped, not kept alive."""
+        self._lag.pop(slot, None)
 
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)

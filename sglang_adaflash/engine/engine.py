@@ -626,6 +626,8 @@ class SpecEngine:
             self.cache.move(last, i, moved)
             if self.proposer is not None:
                 self.proposer.move(last, i, moved - self.running[last].pending)
+                if hasattr(self.proposer, "release"):  # proposers outside this package may lack it
+                    self.proposer.release(last)  # `last` is free now (or i itself retired)
             if self.posterior is not None:
                 self.posterior.move(last, i)
             if self._pending is not None and last != i:

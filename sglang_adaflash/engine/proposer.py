@@ -49,6 +49,9 @@ class DFlashProposer:
     def move(self, src: int, dst: int, length: int) -> None:
         self.cache.move(src, dst, length)
 
+    def release(self, slot: int) -> None:
+        """The slot is free (its request left); nothing is kept for it here."""
+
     @torch.inference_mode()
     def propose(
         self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None, slots: list[int] | None = None

@@ -196,6 +196,7 @@ def test_drafter_contexts_hold_the_committed_path_only(target, drafter):
     prompt = _prompts(1, seed=11)[0]
     eng = OracleD2SD(target, drafter, recovery_for(drafter), tree_k=3, branch_len=4, tree_rule="fixed",
                      max_batch_size=1, max_seq_len=128)
+    eng.proposer.FLUSH_AFTER = 1  # the recovery cache filled every step (lazily, a retired slot's queue is dropped)
     out = eng.run([Request(prompt, SamplingParams(max_new_tokens=30))])[0]
     assert eng.tree_stats["branch_wins"] > 0
     toks = prompt + out.output_ids[:-1]  # the last token's K/V is not committed yet
@@ -203,7 +204,6 @@ def test_drafter_contexts_hold_the_committed_path_only(target, drafter):
     target.capture_layer_ids = list(drafter.config.target_layer_ids)
     _, feats = target.forward(TargetBatch.from_lists([toks], [0]), fresh)
     pos = torch.arange(len(toks))[None]
-    eng.proposer.catch_up([0])  # the recovery cache as a recovery forward would read it (it fills lazily)
     for model, cache in ((drafter, eng.proposer.cache), (eng.recovery, eng.proposer.rcache)):
         with torch.inference_mode():
             kvs = model.context_kv(model.project_context(feats[None]), pos)

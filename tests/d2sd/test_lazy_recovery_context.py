@@ -102,3 +102,69 @@ def test_an_empty_extension_drops_nothing_queued():
         p.extend_context(torch.randn(1, 0, feat), torch.tensor([3]), [0])
     lazy.catch_up([0])
     _same(lazy, eager, 0, 6)
+
+
+def test_a_retired_slot_keeps_no_queue():
+    lazy, _, feat = _pair()
+    lazy.extend_context(torch.randn(2, 5, feat), torch.tensor([0, 0]), [0, 1])
+    lazy.release(1)
+    assert list(lazy._lag) == [0]
+
+
+def test_one_long_queue_costs_the_others_no_padding():
+    lazy, eager, feat = _pair()
+    prompt, step = torch.randn(1, 80, feat), torch.randn(2, 3, feat)
+    for p in (lazy, eager):
+        p.extend_context(prompt, torch.tensor([0]), [0])  # a long prompt joins
+        p.extend_context(step, torch.tensor([5, 9]), [1, 2])
+    calls = []
+    proj = lazy.recovery.project_context
+    lazy.recovery.project_context = lambda x: calls.append(tuple(x.shape)) or proj(x)
+    lazy.catch_up([0, 1, 2])
+    assert calls == [(1, 86, feat)]  # 80 + 3 + 3 rows, packed (padded: 3 x 80)
+    for slot, n in ((0, 80), (1, 8), (2, 12)):
+        _same(lazy, eager, slot, n)
+
+
+@pytest.mark.parametrize("branch_drafter", ["recovery", "auto"])
+def test_every_recovery_read_in_a_real_engine_sees_the_eager_cache(target, drafter, branch_drafter):
+    """A real D2SDEngine (joins, retirements, freed slots refilled), its proposer mirrored by an
+    eager one: at every recovery forward, each slot read equals it over the context read."""
+    from sglang_adaflash.core.sampling import SamplingParams
+    from sglang_adaflash.d2sd.engine import D2SDEngine
+    from sglang_adaflash.engine.request import Request
+    from sglang_adaflash.planner.cost import StepCostModel
+
+    rec = recovery_for(drafter)
+    eng = D2SDEngine(target, drafter, rec, tree_k=3, branch_len=3, branch_width=2, branch_drafter=branch_drafter,
+                     tree_rule="fixed" if branch_drafter == "recovery" else "load_aware", max_batch_size=3,
+                     max_seq_len=128, cost_model=StepCostModel(1.0, 1e-4))
+    lazy = eng.proposer
+    lazy.FLUSH_AFTER = 5
+    eager = DFlashProposer(rec, num_slots=3, capacity=lazy.rcache.capacity)
+    ext, mov, read = lazy.extend_context, lazy.move, lazy.propose_branches
+    checked = []
+
+    def extend(h, starts, slots):
+        eager.extend_context(h, starts, slots)
+        ext(h, starts, slots)
+
+    def move(src, dst, length):
+        eager.move(src, dst, length)
+        mov(src, dst, length)
+
+    def propose(ids, ctx, slots, r=None):
+        out = read(ids, ctx, slots, r)
+        for slot, n in zip(slots.tolist(), ctx.tolist()):
+            _same(lazy, eager, slot, n)
+            checked.append(slot)
+        return out
+
+    lazy.extend_context, lazy.move, lazy.propose_branches = extend, move, propose
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, [9, 1, 17, 5, 12, 3, 20, 7])])
+    assert all(o.ok for o in outs)
+    assert len(checked) > (20 if branch_drafter == "recovery" else 0)
+    assert lazy._lag == {}  # every retired request's queue was dropped

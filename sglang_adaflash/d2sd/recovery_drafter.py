@@ -130,10 +130,9 @@ class TreeProposer(DFlashProposer):
             return
         feats = torch.cat([f for _, queue in rows for _, f in queue])  # [T, K*H]
         device = feats.device
-        positions = torch.cat([torch.arange(queue[0][0], queue[0][0] + sum(f.shape[0] for _, f in queue),
-                                            device=device) for _, queue in rows])
-        index = torch.cat([torch.full((sum(f.shape[0] for _, f in queue),), slot, dtype=torch.long, device=device)
-                           for slot, queue in rows])
+        spans = [(slot, queue[0][0], sum(f.shape[0] for _, f in queue)) for slot, queue in rows]
+        positions = torch.cat([torch.arange(start, start + n, device=device) for _, start, n in spans])
+        index = torch.cat([torch.full((n,), slot, dtype=torch.long, device=device) for slot, _, n in spans])
         pos = positions.clamp(max=self.rcache.capacity - 1)  # padding past capacity is never committed
         kv = self.recovery.context_kv(self.recovery.project_context(feats[None]), positions[None])
         for layer, (k, v) in enumerate(kv):  # [1, kvh, T, hd]

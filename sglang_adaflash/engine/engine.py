@@ -131,8 +131,8 @@ class SpecEngine:
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
-        proposal_logits(states, rows, slots) -> [m, V], extend_context(feats, starts, slots)
-        and move.
+        proposal_logits(states, rows, slots) -> [m, V], extend_context(feats, starts, slots),
+        move(src, dst, length) and release(slot) (the slot's request left).
 
         In adaflash mode with the load-aware rule, `calibrate` corrects the head by each
         request's (and domain's) verification history, and `draft_off` lets the rule leave out
@@ -626,8 +626,7 @@ class SpecEngine:
             self.cache.move(last, i, moved)
             if self.proposer is not None:
                 self.proposer.move(last, i, moved - self.running[last].pending)
-                if hasattr(self.proposer, "release"):  # proposers outside this package may lack it
-                    self.proposer.release(last)  # `last` is free now (or i itself retired)
+                self.proposer.release(last)  # `last` is free now (or i itself retired)
             if self.posterior is not None:
                 self.posterior.move(last, i)
             if self._pending is not None and last != i:

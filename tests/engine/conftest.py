@@ -30,6 +30,9 @@ class OracleProposer:
     def move(self, src, dst, length):
         pass
 
+    def release(self, slot):
+        pass
+
     def extend_context(self, *a, **k):
         pass
 

@@ -371,7 +371,10 @@ class SpecEngine:
         """Draft (whom it pays to), verify, accept, commit: one step over the running batch."""
         seqs, t0 = self.running, time.perf_counter()
         spec = self._draft(seqs)
-        t1 = time.perf_counter()
+        self._verify_step(seqs, spec, t0, time.perf_counter())
+
+    def _verify_step(self, seqs: list[_Seq], spec: SpecBatch, t0: float, t1: float) -> None:
+        """Verify the step's chains (t0: the step's start, t1: drafting's end), commit, account."""
         rows = spec.draft_ids.tolist()
         tokens = [[s.last_token] + rows[i][: n - 1] for i, (s, n) in enumerate(zip(seqs, spec.lengths.tolist()))]
         batch = TargetBatch.from_lists(tokens, [s.cache_len for s in seqs], self.device)
@@ -395,7 +398,9 @@ class SpecEngine:
     def _draft(self, seqs: list[_Seq]) -> SpecBatch:
         """Choose whom to draft, draft them, choose every verify length, make the proposals;
         name the rows that sample, with their filters, for the verifier."""
-        spec = self._draft_rows(seqs)
+        return self._with_sampling(self._draft_rows(seqs), seqs)
+
+    def _with_sampling(self, spec: SpecBatch, seqs: list[_Seq]) -> SpecBatch:
         spec.sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if spec.sampled:
             spec.sampling = self._row_sampling([seqs[i] for i in spec.sampled])
@@ -411,16 +416,7 @@ class SpecEngine:
             return SpecBatch.plain(bs, self.device)
         cap = torch.tensor(caps, dtype=torch.long)
         t0 = time.perf_counter()
-        forced_catch_up = 0.0
-        if probes and self.choice.forced_charge is None and self.cost_model is None:
-            # forced rows riding along on planned drafting: their catch-up (up to the whole
-            # probe gap of context) is theirs alone, so it is timed apart and charged to probes
-            self._catch_up(seqs, probes)
-            forced_catch_up = time.perf_counter() - t0
-            forced = set(probes)
-            self._catch_up(seqs, [i for i in drafted if i not in forced])
-        else:
-            self._catch_up(seqs, drafted)
+        forced_catch_up = self._catch_up_drafted(seqs, drafted, probes)
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
         histories = [seqs[i].req.prompt_ids + seqs[i].output for i in drafted]
@@ -431,6 +427,21 @@ class SpecEngine:
         self._proposals(seqs, spec, hidden)
         spec.draft_seconds = time.perf_counter() - t0
         return spec
+
+    def _catch_up_drafted(self, seqs: list[_Seq], drafted: list[int], probes: list[int]) -> float:
+        """Bring the drafted rows' drafter context up to date (_catch_up); returns the seconds
+        the forced rows' own catch-up took when it is timed apart (else 0)."""
+        if probes and self.choice.forced_charge is None and self.cost_model is None:
+            # forced rows riding along on planned drafting: their catch-up (up to the whole
+            # probe gap of context) is theirs alone, so it is timed apart and charged to probes
+            t0 = time.perf_counter()
+            self._catch_up(seqs, probes)
+            forced_catch_up = time.perf_counter() - t0
+            forced = set(probes)
+            self._catch_up(seqs, [i for i in drafted if i not in forced])
+            return forced_catch_up
+        self._catch_up(seqs, drafted)
+        return 0.0
 
     def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
         """Rows to draft this step and the forced ones among them (draft_choice.DraftChoice)."""
@@ -529,11 +540,16 @@ class SpecEngine:
         else:  # a plain step (most steps of a batch that does not pay for drafting): every row
             idle = range(len(seqs))
             rows = torch.arange(len(seqs), device=self.device)
+        self._queue_idle(seqs, idle, rows, feats[rows, 0])
+
+    def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor, feats: torch.Tensor) -> None:
+        """Queue the undrafted rows' committed features [len(idle), K*H] (an undrafted row
+        commits exactly one token) for their next catch-up; rows is idle as a device tensor."""
         if self._pending is None:
             self._pending = feats.new_zeros(self.max_batch_size, self.choice.max_pending, feats.shape[-1])
         pending = [seqs[i].pending for i in idle]
         cols = torch.tensor(pending, dtype=torch.long, device=self.device)
-        self._pending[rows, cols] = feats[rows, 0]  # an undrafted row commits exactly one token
+        self._pending[rows, cols] = feats
         for i in idle:
             seqs[i].pending += 1
         if max(pending) + 1 >= self._pending.shape[1]:

@@ -46,6 +46,11 @@ def summarize(doc: dict) -> list[dict]:
             "branch_tokens_per_step": round(tree.get("branch_tokens", 0) / steps, 3),
             "branch_wins_per_step": round(tree.get("branch_wins", 0) / steps, 3),
         }
+        if "idle_rows" in tree and tree.get("idle_rows", 0) > 0:  # --draft-off: request-steps sat out
+            idle = tree["idle_rows"]
+            row["sat_out"] = round(idle / steps, 3)
+            # a request-step that sat out committed its bonus token alone
+            row["tau_drafted"] = round((d2["committed_tokens"] - idle) / max(steps - idle, 1), 3)
         if ("adaflash", c) in by:
             row["d2sd_over_adaflash_throughput"] = round(paired(doc["runs"], "d2sd", "adaflash", c, "throughput_tok_s"), 3)
         rows.append(row)
@@ -58,14 +63,16 @@ def main(argv: list[str]) -> int:
             doc = json.load(f)
         print(f"## {path}  (d2sd: {doc['config'].get('d2sd')}; T=0 equality ok: {doc['equality']['ok']})")
         print("| c | tau dflash | tau adaflash | tau d2sd | d2sd/dflash tau | d2sd/dflash tok/s (wall) | (cpu) | "
-              "tok/s ar / dflash / adaflash / d2sd | verified/request-step dflash, d2sd | branches, branch tokens, wins per request-step |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "tok/s ar / dflash / adaflash / d2sd | verified/request-step dflash, d2sd | branches, branch tokens, wins per request-step | "
+              "sat out (draft-off), tau of drafted request-steps |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in summarize(doc):
             t, s, x = r["tau"], r["tok_s"], r["d2sd_over_dflash"]
             print(f"| {r['concurrency']} | {t.get('dflash')} | {t.get('adaflash', '-')} | {t['d2sd']} | {x['tau']} | "
                   f"{x['throughput']} | {x['throughput_cpu']} | {s.get('ar', '-')} / {s['dflash']} / {s.get('adaflash', '-')} / "
                   f"{s['d2sd']} | {r['verified_per_step']['dflash']}, {r['verified_per_step']['d2sd']} | "
-                  f"{r['branches_per_step']}, {r['branch_tokens_per_step']}, {r['branch_wins_per_step']} |")
+                  f"{r['branches_per_step']}, {r['branch_tokens_per_step']}, {r['branch_wins_per_step']} | "
+                  f"{r.get('sat_out', '-')}, {r.get('tau_drafted', '-')} |")
     return 0
 
 

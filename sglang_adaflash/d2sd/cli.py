@@ -22,6 +22,7 @@ class D2SDOptions:
     tree_rule: str = "load_aware"
     tree_attention: str = "auto"
     branch_drafter: str = "recovery"
+    draft_off: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +65,10 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
                    help="how the target attends over a tree: cascade attention through FlashInfer (CUDA, float16/"
                         "bfloat16), `torch` (the same two levels in torch), or one `masked` call; auto (default) "
                         "is flashinfer where it fits, else masked")
+    g.add_argument("--draft-off", action="store_true",
+                   help="let the load-aware rule leave out requests whose trees do not pay for their drafting, "
+                        "from each request's measured tree acceptance, probing them now and then (as mode "
+                        "adaflash does with chains); needs --tree-rule load_aware")
 
 
 def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
@@ -75,14 +80,18 @@ def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
     if args.branch_drafter == "auto" and args.tree_rule != "load_aware":
         raise CLIError("--branch-drafter auto needs --tree-rule load_aware: the fixed rule does not price the "
                        "two sources of branches against each other")
+    draft_off = bool(getattr(args, "draft_off", False))
+    if draft_off and args.tree_rule != "load_aware":
+        raise CLIError("--draft-off needs --tree-rule load_aware: the fixed rule does not price drafting")
     if args.branch_len < 1:
         raise CLIError(f"--branch-len must be >= 1, got {args.branch_len}")
     if args.branch_width < 1:
         raise CLIError(f"--branch-width must be >= 1, got {args.branch_width}")
     if args.branch_drafter == "first":  # recorded as run: no second drafter, one-node branches
-        return D2SDOptions(None, args.tree_k, 1, args.branch_width, args.tree_rule, args.tree_attention, "first")
+        return D2SDOptions(None, args.tree_k, 1, args.branch_width, args.tree_rule, args.tree_attention, "first",
+                           draft_off)
     return D2SDOptions(args.recovery_drafter, args.tree_k, args.branch_len, args.branch_width, args.tree_rule,
-                       args.tree_attention, args.branch_drafter)
+                       args.tree_attention, args.branch_drafter, draft_off)
 
 
 def attach_recovery(pair, options: D2SDOptions | None) -> None:
@@ -116,4 +125,4 @@ def make_d2sd_engine(pair, max_batch_size: int, max_seq_len: int, seed: int):
         raise CLIError("mode d2sd needs a recovery drafter: pass --recovery-drafter DIR (or `embedded`)")
     return D2SDEngine(pair.target, pair.drafter, pair.recovery, tree_k=opts.tree_k, branch_len=opts.branch_len,
                       branch_width=opts.branch_width, tree_rule=opts.tree_rule, tree_attention=opts.tree_attention,
-                      branch_drafter=opts.branch_drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+                      branch_drafter=opts.branch_drafter, draft_off=opts.draft_off, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)

@@ -6,6 +6,11 @@ recovery drafter continues every chosen branch in one batched forward; the targe
 trees in one forward with the ancestor mask (tree_target.py); each request commits its longest
 accepted path (tree_verify.py), and only that path's K/V and target features are kept.
 Admission, prefill, retirement and the request API are SpecEngine's.
+
+With draft-off (`draft_off=True`, the load-aware rule only) the step first asks SpecEngine's
+draft-or-not choice (engine/draft_choice.py) whom to draft at all, from each request's measured
+tree acceptance: a step that drafts nobody is SpecEngine's plain verify of the bonus tokens, and
+the rows left out of a tree step queue their context for a later catch-up, as in `adaflash`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 
 from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
-from ..engine.engine import SpecEngine, _Seq
+from ..engine.engine import SpecBatch, SpecEngine, _Seq
+from ..planner.calibration import SurvivalPosterior
 from ..target.hf_target import HFTarget
 from . import BRANCH_DRAFTERS, TREE_RULES, cascade
 from .recovery import TreeCost, plan_tree
@@ -41,6 +47,7 @@ class D2SDEngine(SpecEngine):
         branch_drafter: str = "recovery",
         beta: float = 0.5,
         alt_prior: float = 0.3,
+        draft_off: bool = False,
         max_batch_size: int = 64,
         max_seq_len: int = 2048,
         **kw,
@@ -62,7 +69,13 @@ class D2SDEngine(SpecEngine):
         each step (recovery.plan_tree's first_rates) and builds the better tree: the recovery
         drafter's branches where they pay for its forward, the first drafter's next-ranked tokens
         (or no branch) where they do not; each source's rates are measured on its own steps. It
-        needs the load-aware rule (the fixed rule does not price)."""
+        needs the load-aware rule (the fixed rule does not price).
+
+        `draft_off` lets the load-aware rule leave out requests whose trees do not pay for
+        their drafting and verify slots, as `adaflash` does with chains (SpecEngine's
+        probe_every, probe_share and explore apply): each request's survival is what its trees
+        really committed (the accepted path's depth against the tree's), so a request is drafted
+        when its measured gain pays for a drafted row at the measured step cost."""
         if branch_drafter not in BRANCH_DRAFTERS:
             raise ValueError(f"branch_drafter must be one of {BRANCH_DRAFTERS}, got {branch_drafter!r}")
         if drafter is None or (recovery is None and branch_drafter != "first"):
@@ -75,6 +88,8 @@ class D2SDEngine(SpecEngine):
         if branch_drafter == "auto" and tree_rule != "load_aware":
             raise ValueError("branch_drafter 'auto' needs tree_rule 'load_aware': the fixed rule does not price "
                              "the two sources against each other")
+        if draft_off and tree_rule != "load_aware":
+            raise ValueError("draft_off needs tree_rule 'load_aware': the fixed rule does not price drafting")
         if branch_drafter == "first":
             recovery = None  # neither run nor given a context
         for d in (drafter, recovery):
@@ -87,6 +102,10 @@ class D2SDEngine(SpecEngine):
         super().__init__(target, drafter, mode="dflash", proposer=proposer, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, **kw)
         self.mode = "d2sd"
+        if draft_off:  # SpecEngine built its choice for mode dflash, which never leaves a row out
+            self.posterior = SurvivalPosterior(max_batch_size, device=self.device)
+            self.choice.posterior = self.posterior
+            self._draft_off = True
         self.tree_attention = cascade.select(tree_attention, self.device, target.dtype, target.head_dim)
         self._cascade = cascade.make(self.tree_attention, self.device)
         self.recovery = recovery
@@ -108,7 +127,8 @@ class D2SDEngine(SpecEngine):
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
         self._last_value = {"recovery": 0.0, "first": 0.0}  # each source's last plan value: its next first price
         self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0,
-                           "planned_steps": 0, "first_drafter_steps": 0}
+                           "planned_steps": 0, "first_drafter_steps": 0, "plain_steps": 0,
+                           "idle_rows": 0}
 
     # -- the two drafting calls (tests override them with oracles) -------------------------
     def _chain_logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
@@ -132,7 +152,16 @@ class D2SDEngine(SpecEngine):
         seqs, t0 = self.running, time.perf_counter()
         bs, b = len(seqs), self.block_size
         cap = [min(b, s.remaining) for s in seqs]
-        drafted = [i for i in range(bs) if cap[i] > 1]
+        drafted, probes = self._choose_drafted(seqs, cap)
+        if self._draft_off and not drafted:  # nobody pays for a tree: SpecEngine's plain step
+            self._verify_step(seqs, self._with_sampling(SpecBatch.plain(bs, self.device), seqs), t0,
+                              time.perf_counter())
+            for seq in seqs:
+                seq.stats.drafted.append(False)
+            self.tree_stats["plain_steps"] += 1
+            self.tree_stats["idle_rows"] += bs
+            return
+        forced_catch_up = self._catch_up_drafted(seqs, drafted, probes) if self._draft_off else 0.0
         trees = [build_row(s.last_token, [], []) for s in seqs]
         self._raw_conf = {}
         if drafted:
@@ -149,16 +178,29 @@ class D2SDEngine(SpecEngine):
         paths = paths.to(self.device)
         commit_paths(self.cache, fwd.node_kv, paths, starts)
         if fwd.aux is not None:
-            self.proposer.extend_context(gather_nodes(fwd.aux, paths), starts, list(range(bs)))
+            self._extend_contexts(seqs, drafted, gather_nodes(fwd.aux, paths), starts)
         self._observe_branches(trees, results, cap)
         self._observe_chain(results)
-        for seq, tree, r in zip(seqs, trees, results):
+        if self._draft_off:
+            self._observe_survival(drafted, trees, results)
+        mine = set(drafted)
+        self.tree_stats["idle_rows"] += (bs - len(mine)) if self._draft_off else 0
+        for i, (seq, tree, r) in enumerate(zip(seqs, trees, results)):
             seq.stats.record(tree.size, r.num_accepted)
+            if self._draft_off:
+                seq.stats.drafted.append(i in mine)
+                seq.since_draft = 0 if i in mine else seq.since_draft + 1
+                if i in probes:
+                    seq.probe_gap = self.choice.next_probe_gap(seq.probe_gap, accepted_nothing=r.num_accepted == 0)
             seq.cache_len += len(r.tokens)
             self.stats.committed_tokens += len(r.tokens)
             self._append(seq, r.tokens)
         t2 = time.perf_counter()
         verified = int(flat.sizes.sum())
+        if self._draft_off:
+            spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes,
+                             draft_seconds=t1 - t0, forced_catch_up_seconds=forced_catch_up)
+            self.choice.charge_forced(spec, verified - bs, verify_seconds=t2 - t1)
         self.stats.steps += 1
         self.stats.batch_sizes.append(bs)
         self.stats.verified_tokens += verified
@@ -168,6 +210,37 @@ class D2SDEngine(SpecEngine):
         if self._online_cost is not None:
             self._online_cost.observe(bs, verified, t2 - t1, drafted=len(drafted), draft_seconds=t1 - t0,
                                       proposals=verified - bs)
+
+    def _extend_contexts(self, seqs, drafted: list[int], feats: torch.Tensor, starts: torch.Tensor) -> None:
+        """Committed paths' target features [bs, W, K*H] into the drafters' contexts. Under
+        draft-off only the drafted rows' go in now; the others committed their bonus token alone
+        and queue its features for their next catch-up (SpecEngine._queue_idle)."""
+        bs = len(seqs)
+        if not self._draft_off or len(drafted) == bs:
+            self.proposer.extend_context(feats, starts, list(range(bs)))
+            return
+        if drafted:
+            rows = torch.tensor(drafted, dtype=torch.long, device=self.device)
+            self.proposer.extend_context(feats[rows], starts[rows], drafted)
+        mine = set(drafted)
+        idle = [i for i in range(bs) if i not in mine]
+        rows = torch.tensor(idle, dtype=torch.long, device=self.device)
+        self._queue_idle(seqs, idle, rows, feats[rows, 0])
+
+    def _observe_survival(self, drafted: list[int], trees: list[TreeRow], results: list[PathResult]) -> None:
+        """Each drafted request's posterior: its tree offered `depth` proposals along its
+        deepest path and the committed path accepted num_accepted of them (a failure unless it
+        went all the way), with the chain's mean calibrated confidence as the drafter's opinion."""
+        if not drafted:
+            return
+        depth = torch.tensor([max(trees[i].depths) for i in drafted], dtype=torch.long)
+        accepted = torch.tensor([min(results[i].num_accepted, max(trees[i].depths)) for i in drafted])
+        prior = torch.tensor(self.beta, device=self.device)
+        raw = [self._raw_conf.get(i) for i in drafted]
+        opinion = torch.stack([self._calibrated(c).float().mean() if c is not None and c.numel() else prior
+                               for c in raw])
+        slots = torch.tensor(drafted, dtype=torch.long, device=self.device)
+        self.posterior.observe(slots, opinion, accepted.to(self.device), (depth + 1).to(self.device))
 
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
         logits = self._chain_logits(seqs, rows)  # [n, B-1, V]

@@ -1,0 +1,217 @@
+"""Draft-off in mode d2sd: requests whose trees accept nothing are left out (verifying their
+bonus token only, probed now and then), requests whose trees pay keep drafting, the output is
+plain greedy decoding's token for token, and the drafters' contexts catch up after the steps a
+request sat out."""
+
+import pytest
+import torch
+
+from sglang_adaflash.core.sampling import SamplingParams
+from sglang_adaflash.d2sd.engine import D2SDEngine
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.planner.cost import StepCostModel
+from sglang_adaflash.target.hf_target import TargetBatch
+from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
+
+from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB, _conditional_pvalues
+from .conftest import OracleD2SD, recovery_for
+from .test_d2sd_engine import _mixed_run, _prompts, _run
+
+# a drafter row costs about as much as 0.8 plain rows' tokens: drafting pays only when it accepts
+DEAR_DRAFTS = StepCostModel(fixed=0.01, per_token=0.001, per_draft=0.004, draft_fixed=0.004)
+
+
+def _engine(cls, target, drafter, **kw):
+    kw.setdefault("cost_model", DEAR_DRAFTS)
+    kw.setdefault("max_batch_size", 3)
+    return cls(target, drafter, recovery_for(drafter), tree_k=2, branch_len=3, max_seq_len=160, **kw)
+
+
+def _ar(target, prompts, max_new):
+    return _run(SpecEngine(target, None, mode="ar", max_batch_size=3, max_seq_len=160), prompts, max_new)
+
+
+def _drafted_share(eng, outs):
+    marks = [d for o in outs for d in o.stats.drafted]
+    assert len(marks) == sum(o.stats.steps for o in outs)  # one mark per request-step
+    return sum(marks) / len(marks)
+
+
+def test_failing_trees_are_switched_off_losslessly(target, drafter):
+    """A random drafter pair accepts about nothing: after the first reads a request is drafted
+    on probes only, verifies its bonus token alone otherwise, and the output is ar's (requests
+    join as others finish). Control: the same engine without draft-off drafts every step."""
+    prompts = _prompts(5, seed=13)
+    max_new = [40, 25, 33, 40, 12]
+    ar = _ar(target, prompts, max_new)
+    eng = _engine(D2SDEngine, target, drafter, draft_off=True, probe_every=4, probe_share=1.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new)])
+    assert [o.output_ids for o in outs] == ar
+    assert _drafted_share(eng, outs) < 0.4
+    assert eng.tree_stats["plain_steps"] > 0.3 * eng.stats.steps, eng.tree_stats
+    for o in outs:
+        st = o.stats
+        assert all(v == 1 for v, d in zip(st.verify_lens, st.drafted) if not d)
+        if st.steps > 12:  # probed after 8 steps out (then 16: the gap doubles while probes fail)
+            assert any(st.drafted[1:12]), "probes must keep drafting now and then"
+    always = _engine(D2SDEngine, target, drafter)
+    assert _run(always, prompts, max_new) == ar
+    assert always.tree_stats["plain_steps"] == 0
+    assert always.tree_stats["planned_steps"] >= 0.9 * always.stats.steps, always.tree_stats
+
+
+def test_trees_that_pay_keep_drafting(target, drafter):
+    """At the same prices an oracle pair (70% of its chain slots right, branches from the
+    target's continuation) pays for its trees: every request drafts from its first step on and branches win (near a
+    request's end, where few slots are left, it may stop).
+    Were the trees' acceptance not what the choice reads, it would switch these off too."""
+    prompts = _prompts(4, seed=5)
+    max_new = [30, 18, 26, 30]
+    eng = _engine(OracleD2SD, target, drafter, draft_off=True, probe_every=4, probe_share=1.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new)])
+    assert [o.output_ids for o in outs] == _ar(target, prompts, max_new)
+    assert all(all(o.stats.drafted[:5]) for o in outs), [o.stats.drafted for o in outs]
+    assert _drafted_share(eng, outs) > 0.6
+    assert eng.tree_stats["branch_wins"] > 3, eng.tree_stats
+    assert eng.stats.committed_tokens / eng.stats.steps > 2
+
+
+class _OneGoodOneBad(OracleD2SD):
+    """The oracle, right 90% of the time for requests with a "good" id and 10% for the others,
+    so in one batch some rows draft while others sit out."""
+
+    def _chain_logits(self, seqs, rows):
+        out = []
+        for i in rows:
+            self.error_rate = 0.1 if seqs[i].req.request_id.startswith("good") else 0.9
+            out.append(super()._chain_logits(seqs, [i]))
+        return torch.cat(out)
+
+
+def _written_context_matches(eng, target, drafter) -> bool:
+    """Every running request's drafter contexts (both drafters) equal a plain forward of its
+    committed tokens at every position written so far (the backlog of `pending` tokens waits
+    for the request's next draft)."""
+    ok = True
+    for slot, seq in enumerate(eng.running):
+        written = seq.cache_len - seq.pending
+        toks = (seq.req.prompt_ids + seq.output)[:written]
+        target.capture_layer_ids = list(drafter.config.target_layer_ids)
+        _, feats = target.forward(TargetBatch.from_lists([toks], [0]), target.new_cache(1, 160))
+        pos = torch.arange(written)[None]
+        for model, cache in ((drafter, eng.proposer.cache), (eng.recovery, eng.proposer.rcache)):
+            with torch.inference_mode():
+                kvs = model.context_kv(model.project_context(feats[None]), pos)
+            for layer, (k, v) in enumerate(kvs):
+                ok &= torch.allclose(cache.k[layer][slot, :, :written], k[0], rtol=1e-6, atol=1e-6)
+                ok &= torch.allclose(cache.v[layer][slot, :, :written], v[0], rtol=1e-6, atol=1e-6)
+    return ok
+
+
+@pytest.mark.parametrize("broken", [None, "forget", "not_queued", "wrong_column"])
+def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, monkeypatch):
+    """Good and bad requests in one batch (freed slots refilled): the bad ones sit out most
+    steps, some of them tree steps of the good ones, and are probed now and then. After every
+    step both drafters' context K/V equal a plain forward of the committed tokens at every
+    position written. Controls, each detected: a catch-up that drops the backlog, idle rows of a
+    tree step not queued, and an idle queue that writes over the previous step's column."""
+    if broken == "forget":
+        def forget(self, seqs, rows):
+            for i in rows:
+                seqs[i].pending = 0
+
+        monkeypatch.setattr(SpecEngine, "_catch_up", forget)
+    if broken == "not_queued":
+        extend = D2SDEngine._extend_contexts
+
+        def drop_idle(self, seqs, drafted, feats, starts):
+            queue, self._queue_idle = self._queue_idle, lambda *a: None
+            try:
+                extend(self, seqs, drafted, feats, starts)
+            finally:
+                self._queue_idle = queue
+
+        monkeypatch.setattr(D2SDEngine, "_extend_contexts", drop_idle)
+    if broken == "wrong_column":
+        queue = SpecEngine._queue_idle
+
+        def shifted(self, seqs, idle, rows, feats):
+            back = [i for i in idle if seqs[i].pending > 0]
+            for i in back:
+                seqs[i].pending -= 1
+            queue(self, seqs, idle, rows, feats)
+            for i in back:
+                seqs[i].pending += 1
+
+        monkeypatch.setattr(SpecEngine, "_queue_idle", shifted)
+    prompts = _prompts(5, seed=11)
+    eng = _OneGoodOneBad(target, drafter, recovery_for(drafter), tree_k=2, branch_len=3, max_batch_size=3,
+                         max_seq_len=160, cost_model=DEAR_DRAFTS, draft_off=True, probe_every=3, probe_share=1.0)
+    eng.proposer.FLUSH_AFTER = 1  # the recovery context filled whenever the first drafter's is
+    max_new = [40, 30, 45, 20, 35]
+    for k, (p, n) in enumerate(zip(prompts, max_new)):
+        eng.submit(Request(p, SamplingParams(max_new_tokens=n), request_id=f"{'good' if k % 2 else 'bad'}-{k}"))
+    ok, mixed, outs = True, 0, []
+    while eng.has_unfinished():
+        outs += eng.step()
+        marks = [s.stats.drafted[-1] for s in eng.running if s.stats.drafted]
+        mixed += any(marks) and not all(marks)
+        ok &= _written_context_matches(eng, target, drafter)
+    assert mixed > 10, mixed  # tree steps with rows sitting out
+    assert all(o.ok for o in outs) and len(outs) == 5
+    outs.sort(key=lambda o: int(o.request_id.split("-")[1]))
+    assert [o.output_ids for o in outs] == _ar(target, prompts, max_new)
+    bad = [d for o in outs if o.request_id.startswith("bad") for d in o.stats.drafted]
+    assert 3 < sum(bad) < 0.5 * len(bad)  # sat out, then caught up on probes
+    assert ok == (broken is None)
+
+
+def test_draft_off_needs_the_load_aware_rule(target, drafter):
+    with pytest.raises(ValueError, match="draft_off needs tree_rule 'load_aware'"):
+        D2SDEngine(target, drafter, recovery_for(drafter), tree_rule="fixed", draft_off=True, max_seq_len=64)
+
+
+def test_the_cli_flag_reaches_the_engine_and_is_refused_with_the_fixed_rule(target, drafter):
+    import argparse
+    from types import SimpleNamespace
+
+    from sglang_adaflash.d2sd.cli import add_d2sd_args, make_d2sd_engine, options_from_args
+    from sglang_adaflash.errors import CLIError
+
+    p = argparse.ArgumentParser()
+    add_d2sd_args(p)
+    args = p.parse_args(["--recovery-drafter", "x", "--draft-off"])
+    opts = options_from_args(args, ["d2sd"])
+    assert opts.draft_off and opts.to_dict()["draft_off"]
+    pair = SimpleNamespace(target=target, drafter=drafter, recovery=recovery_for(drafter), d2sd=opts)
+    assert make_d2sd_engine(pair, 2, 64, 0)._draft_off
+    assert not make_d2sd_engine(SimpleNamespace(**{**vars(pair), "d2sd": options_from_args(
+        p.parse_args(["--recovery-drafter", "x"]), ["d2sd"])}), 2, 64, 0)._draft_off
+    with pytest.raises(CLIError, match="--draft-off needs --tree-rule load_aware"):
+        options_from_args(p.parse_args(["--recovery-drafter", "x", "--draft-off", "--tree-rule", "fixed"]), ["d2sd"])
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_every_position_follows_the_target_at_t_above_zero_with_draft_off(wrong, monkeypatch):
+    """Sampled and greedy requests, plain steps and tree steps (first reads, probes, and rows
+    whose trees pay) mixed: every committed position follows the target's distribution.
+    Control: plain steps that do not tell the verifier which rows sample are rejected."""
+    if wrong:
+        monkeypatch.setattr(D2SDEngine, "_with_sampling", lambda self, spec, seqs: spec)
+    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
+    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, draft_off=True, max_batch_size=8,
+                     max_seq_len=32, seed=321, cost_model=DEAR_DRAFTS, probe_every=2, probe_share=1.0)
+    sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
+    samples = _mixed_run(eng, sp)
+    rows = sum(eng.stats.batch_sizes)
+    assert 0.2 * rows < eng.tree_stats["idle_rows"] < 0.8 * rows, eng.tree_stats
+    assert eng.tree_stats["plain_steps"] > 100, eng.tree_stats
+    assert eng.tree_stats["branch_wins"] > 100, eng.tree_stats
+    pvalues = _conditional_pvalues(target, sp, samples)
+    if wrong:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-4 / NEW, pvalues

@@ -10,6 +10,18 @@ from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
 from sglang_adaflash.testing.fixtures import tiny_drafter
 
 
+def assert_follows_target(target, sp, samples, wrong: bool) -> None:
+    """Every position's conditional distribution against the target's (the engine's own
+    chi-square): a wrong sampler must be rejected outright, a right one pass a corrected bound."""
+    from ..engine.test_lossless_sampling import NEW, _conditional_pvalues
+
+    pvalues = _conditional_pvalues(target, sp, samples)
+    if wrong:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-4 / NEW, pvalues
+
+
 def recovery_for(first, seed=7, **kw):
     """A random drafter shaped like `first`, declared a recovery drafter."""
     rec = tiny_drafter(seed=seed, **kw)

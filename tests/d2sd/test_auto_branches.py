@@ -13,8 +13,8 @@ from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB, _conditional_pvalues
-from .conftest import OracleD2SD, recovery_for
+from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB
+from .conftest import OracleD2SD, assert_follows_target, recovery_for
 from .test_d2sd_engine import _mixed_run, _prompts, _run
 from .test_tree_verify import _no_residual_walk
 
@@ -85,11 +85,7 @@ def test_every_position_follows_the_target_with_both_sources(wrong, monkeypatch)
     steps, first = eng.tree_stats["planned_steps"], eng.tree_stats["first_drafter_steps"]
     assert 0.3 * steps < first < 0.7 * steps, eng.tree_stats
     assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats
-    pvalues = _conditional_pvalues(target, sp, samples)
-    if wrong:
-        assert min(pvalues) < 1e-6, pvalues
-    else:
-        assert min(pvalues) > 1e-4 / NEW, pvalues
+    assert_follows_target(target, sp, samples, wrong)
 
 
 def test_tree_cost_reaches_the_plan(target, drafter):

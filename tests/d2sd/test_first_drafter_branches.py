@@ -12,8 +12,8 @@ from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB, _conditional_pvalues
-from .conftest import OracleD2SD
+from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB
+from .conftest import OracleD2SD, assert_follows_target
 from .test_d2sd_engine import _prompts, _run
 
 
@@ -83,8 +83,4 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong):
     sp = SamplingParams(temperature=0.8, top_k=3, max_new_tokens=NEW)
     outs = eng.run([Request(list(PROMPT), sp) for _ in range(6000)])
     assert eng.tree_stats["branch_wins"] > 300, eng.tree_stats
-    pvalues = _conditional_pvalues(target, sp, [tuple(o.output_ids) for o in outs])
-    if wrong:
-        assert min(pvalues) < 1e-6, pvalues
-    else:
-        assert min(pvalues) > 1e-4 / NEW, pvalues
+    assert_follows_target(target, sp, [tuple(o.output_ids) for o in outs], wrong)

@@ -228,19 +228,25 @@ class D2SDEngine(SpecEngine):
         self._queue_idle(seqs, idle, rows, feats[rows, 0])
 
     def _observe_survival(self, drafted: list[int], trees: list[TreeRow], results: list[PathResult]) -> None:
-        """Each drafted request's posterior: its tree offered `depth` proposals along its
-        deepest path and the committed path accepted num_accepted of them (a failure unless it
-        went all the way), with the chain's mean calibrated confidence as the drafter's opinion."""
+        """Each drafted request's posterior: the committed path's accepted proposals are
+        survivals, and a failure is counted only when the walk stopped at a node that had
+        children (a proposal after it was rejected); a path that ran to a leaf, of the chain or
+        of a branch deeper than the trimmed chain, rejected nothing. The drafter's own opinion is
+        the chain's mean calibrated confidence."""
         if not drafted:
             return
-        depth = torch.tensor([max(trees[i].depths) for i in drafted], dtype=torch.long)
-        accepted = torch.tensor([min(results[i].num_accepted, max(trees[i].depths)) for i in drafted])
+        accepted, offered = [], []
+        for i in drafted:
+            kids, n = trees[i].children(), results[i].num_accepted
+            accepted.append(n)
+            offered.append(n + 1 + bool(kids[results[i].path[-1]]))  # verify length: n proposals (+ the rejected)
         prior = torch.tensor(self.beta, device=self.device)
         raw = [self._raw_conf.get(i) for i in drafted]
         opinion = torch.stack([self._calibrated(c).float().mean() if c is not None and c.numel() else prior
                                for c in raw])
         slots = torch.tensor(drafted, dtype=torch.long, device=self.device)
-        self.posterior.observe(slots, opinion, accepted.to(self.device), (depth + 1).to(self.device))
+        self.posterior.observe(slots, opinion, torch.tensor(accepted, device=self.device),
+                               torch.tensor(offered, device=self.device))
 
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
         logits = self._chain_logits(seqs, rows)  # [n, B-1, V]

@@ -495,7 +495,7 @@ class SpecEngine:
             self._online_cost = OnlineCostModel(profile_step_cost(self))
         return self._online_cost.model(batch_size)
 
-    def _catch_up(self, seqs: list[_Seq], rows: list[int]) -> None:
+    def _catch_up(self, seqs: list[_Seq], rows: list[int], uncommitted: int = 0) -> None:
         """Feed the drafter the context a row collected while it was not drafted.
 
         A row that is not drafted keeps its committed tokens' target features in a small
@@ -515,7 +515,9 @@ class SpecEngine:
             return
         width = max(seqs[i].pending for i in late)
         index = torch.tensor(late, dtype=torch.long, device=self.device)
-        starts = torch.tensor([seqs[i].cache_len - seqs[i].pending for i in late], device=self.device)
+        # the backlog ends at the newest queued token: cache_len, or beyond it by `uncommitted`
+        # tokens queued in a step whose commit has not moved cache_len yet
+        starts = torch.tensor([seqs[i].cache_len + uncommitted - seqs[i].pending for i in late], device=self.device)
         self.proposer.extend_context(self._pending[index, :width], starts, late)
         for i in late:
             seqs[i].pending = 0
@@ -553,7 +555,8 @@ class SpecEngine:
         for i in idle:
             seqs[i].pending += 1
         if max(pending) + 1 >= self._pending.shape[1]:
-            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[1]])
+            # this runs before the step commits, so each row's newest queued token is one past cache_len
+            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[1]], uncommitted=1)
 
     def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor) -> None:
         """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.

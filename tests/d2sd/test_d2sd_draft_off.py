@@ -8,6 +8,7 @@ import torch
 
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.d2sd.engine import D2SDEngine
+from sglang_adaflash.d2sd.tree import Branch
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
@@ -95,7 +96,7 @@ def _written_context_matches(eng, target, drafter) -> bool:
     for the request's next draft)."""
     ok = True
     for slot, seq in enumerate(eng.running):
-        written = seq.cache_len - seq.pending
+        written = 0 if seq.prompt_feats is not None else seq.cache_len - seq.pending  # a lazy prompt waits
         toks = (seq.req.prompt_ids + seq.output)[:written]
         target.capture_layer_ids = list(drafter.config.target_layer_ids)
         _, feats = target.forward(TargetBatch.from_lists([toks], [0]), target.new_cache(1, 160))
@@ -117,9 +118,9 @@ def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, mo
     position written. Controls, each detected: a catch-up that drops the backlog, idle rows of a
     tree step not queued, and an idle queue that writes over the previous step's column."""
     if broken == "forget":
-        def forget(self, seqs, rows):
+        def forget(self, seqs, rows, uncommitted=0):  # drops the prompt and the backlog unwritten
             for i in rows:
-                seqs[i].pending = 0
+                seqs[i].pending, seqs[i].prompt_feats = 0, None
 
         monkeypatch.setattr(SpecEngine, "_catch_up", forget)
     if broken == "not_queued":
@@ -167,6 +168,26 @@ def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, mo
     assert ok == (broken is None)
 
 
+def test_a_full_backlog_is_written_where_it_belongs(target, drafter):
+    """Without probes (probe_share 0) the bad requests sit out after their first read until
+    their backlog fills (4 * probe_every + 1 steps) and is flushed in the middle of a step,
+    before that step's commit: every position must still hold its own token's context. (It
+    was written one position early, found in review.)"""
+    prompts = _prompts(3, seed=12)
+    eng = _OneGoodOneBad(target, drafter, recovery_for(drafter), tree_k=2, branch_len=3, max_batch_size=3,
+                         max_seq_len=160, cost_model=DEAR_DRAFTS, draft_off=True, probe_every=2, probe_share=0.0)
+    eng.proposer.FLUSH_AFTER = 1
+    for k, p in enumerate(prompts):
+        eng.submit(Request(p, SamplingParams(max_new_tokens=40), request_id=f"{'good' if k == 1 else 'bad'}-{k}"))
+    ok, most = True, 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max([most] + [s.pending for s in eng.running])
+        ok &= _written_context_matches(eng, target, drafter)
+    assert most == eng.choice.max_pending - 1, (most, eng.choice.max_pending)  # full, then flushed
+    assert ok
+
+
 def test_draft_off_needs_the_load_aware_rule(target, drafter):
     with pytest.raises(ValueError, match="draft_off needs tree_rule 'load_aware'"):
         D2SDEngine(target, drafter, recovery_for(drafter), tree_rule="fixed", draft_off=True, max_seq_len=64)
@@ -211,3 +232,19 @@ def test_every_position_follows_the_target_at_t_above_zero_with_draft_off(wrong,
     assert eng.tree_stats["plain_steps"] > 100, eng.tree_stats
     assert eng.tree_stats["branch_wins"] > 100, eng.tree_stats
     assert_follows_target(target, sp, samples, wrong)
+
+
+def test_a_path_that_ran_to_a_leaf_counts_no_failure(target, drafter):
+    """A tree whose chain (trimmed to 2 proposals) was accepted whole beside a deeper branch
+    records 2 survivals and no failure; a path stopped before a child records one failure."""
+    from sglang_adaflash.d2sd.tree import build_row
+    from sglang_adaflash.d2sd.tree_verify import PathResult
+
+    eng = D2SDEngine(target, drafter, recovery_for(drafter), draft_off=True, max_batch_size=2, max_seq_len=64)
+    trees = [build_row(5, [7, 8], [Branch(2, [9, 10, 11])]), build_row(5, [7, 8], [])]
+    results = [PathResult([0, 1, 2], [7, 8, 3]), PathResult([0, 1], [7, 4])]  # row 1 stopped before node 2
+    eng._raw_conf = {}
+    eng.posterior.reset(torch.tensor([0, 1]), [None, None])
+    eng._observe_survival([0, 1], trees, results)
+    s, f = eng.posterior.counts[:, 0].tolist(), eng.posterior.counts[:, 1].tolist()
+    assert s == [2.0, 1.0] and f == [0.0, 1.0], (s, f)

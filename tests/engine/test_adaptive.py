@@ -283,7 +283,7 @@ def test_drafter_context_catches_up_after_draft_off(target, drafter, broken, mon
     it been fed every step (checked through the head, against a context built by prefill).
     Control (broken=True): skipping the catch-up is detected."""
     if broken:
-        def forget(self, seqs, rows):  # drops the backlog instead of feeding it to the drafter
+        def forget(self, seqs, rows, uncommitted=0):  # drops the backlog instead of feeding it to the drafter
             for i in rows:
                 seqs[i].pending = 0
 

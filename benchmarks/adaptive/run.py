@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="torch device (cuda for benchmarks/gpu/)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--extra-pairs", type=int, default=4,
                     help="after the repeats, this many more ar/adaflash runs back to back (order "
                          "alternating): the paired ratio is the median of adaflash/ar over these "
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     conc = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
-    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
+    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype=args.dtype, device=args.device)
     block = pair.drafter.config.block_size
     stop = tuple(pair.stop_token_ids)
     rows, equality_ok = [], True
@@ -207,7 +209,8 @@ def main(argv=None) -> int:
         "command": "benchmarks/adaptive/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": vars(args),
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "threads": args.threads, "machine": platform.machine()},
+                        "threads": args.threads, "machine": platform.machine(),
+                        "cuda": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
         "equality_ok": equality_ok,
         "results": rows,
     }

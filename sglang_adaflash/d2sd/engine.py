@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..core.clock import synced_time
 from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecBatch, SpecEngine, _Seq
@@ -155,7 +156,7 @@ class D2SDEngine(SpecEngine):
         drafted, probes = self._choose_drafted(seqs, cap)
         if self._draft_off and not drafted:  # nobody pays for a tree: SpecEngine's plain step
             self._verify_step(seqs, self._with_sampling(SpecBatch.plain(bs, self.device), seqs), t0,
-                              time.perf_counter())
+                              synced_time(self.device))
             for seq in seqs:
                 seq.stats.drafted.append(False)
             self.tree_stats["plain_steps"] += 1
@@ -166,7 +167,7 @@ class D2SDEngine(SpecEngine):
         self._raw_conf = {}
         if drafted:
             self._draft_trees(seqs, drafted, cap, trees)
-        t1 = time.perf_counter()
+        t1 = synced_time(self.device)
         flat = flatten(trees, self.device)
         starts = torch.tensor([s.cache_len for s in seqs], device=self.device)
         fwd = tree_forward(self.target, self.cache, flat, starts, self._cascade)
@@ -195,7 +196,7 @@ class D2SDEngine(SpecEngine):
             seq.cache_len += len(r.tokens)
             self.stats.committed_tokens += len(r.tokens)
             self._append(seq, r.tokens)
-        t2 = time.perf_counter()
+        t2 = synced_time(self.device)
         verified = int(flat.sizes.sum())
         if self._draft_off:
             spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes,
@@ -509,9 +510,9 @@ class D2SDEngine(SpecEngine):
             read = read[None].expand(m, -1)
             best = float("inf")
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0 = synced_time(self.device)
                 self.recovery.logits(self.proposer.propose_branches(ids, zero + 1, zero, read))
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, synced_time(self.device) - t0)
             times.append(best)
         per = max((times[1] - times[0]) / max(wide - 1, 1), 0.0)
         return per, max(times[0] - per, 0.0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import flashinfer_sampling
+from ..core.clock import synced_time
 from ..core.rejection import RejectionSampler, VerifyResult
 from ..core.sampling import RequestError, filtered_probs
 from ..core.spec_metadata import RowSampling, SpecMetadata
@@ -371,7 +372,7 @@ class SpecEngine:
         """Draft (whom it pays to), verify, accept, commit: one step over the running batch."""
         seqs, t0 = self.running, time.perf_counter()
         spec = self._draft(seqs)
-        self._verify_step(seqs, spec, t0, time.perf_counter())
+        self._verify_step(seqs, spec, t0, synced_time(self.device))
 
     def _verify_step(self, seqs: list[_Seq], spec: SpecBatch, t0: float, t1: float) -> None:
         """Verify the step's chains (t0: the step's start, t1: drafting's end), commit, account."""
@@ -383,7 +384,7 @@ class SpecEngine:
         committed = result.to_lists()
         self._update_context(seqs, spec, aux, batch.q_lens, result)
         self._commit(seqs, spec, committed, result)
-        t2 = time.perf_counter()
+        t2 = synced_time(self.device)
         self.choice.charge_forced(spec, int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
         verified = int(batch.q_lens.sum())
         self.stats.steps += 1
@@ -425,7 +426,7 @@ class SpecEngine:
                          forced_catch_up_seconds=forced_catch_up)
         self._verify_lengths(spec, hidden, cap)
         self._proposals(seqs, spec, hidden)
-        spec.draft_seconds = time.perf_counter() - t0
+        spec.draft_seconds = synced_time(self.device) - t0
         return spec
 
     def _catch_up_drafted(self, seqs: list[_Seq], drafted: list[int], probes: list[int]) -> float:
@@ -533,7 +534,7 @@ class SpecEngine:
             width = int(result.num_accepted[rows].max()) + 1
             starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
             self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
-            spec.draft_seconds += time.perf_counter() - t0
+            spec.draft_seconds += synced_time(self.device) - t0
             drafted = set(spec.drafted)
             idle = [i for i in range(len(seqs)) if i not in drafted]
             if not idle:

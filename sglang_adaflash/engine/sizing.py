@@ -3,11 +3,11 @@ load-aware rule starts from before it has measured any step of its own."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.clock import synced_time
 from ..drafter.model import DFlashDrafter
 from ..planner.cost import StepCostModel
 from ..target.hf_target import HFTarget, TargetBatch
@@ -48,9 +48,9 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         batch = TargetBatch(ids, torch.zeros(1, dtype=torch.long, device=engine.device), torch.tensor([t], device=engine.device))
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = synced_time(engine.device)
             target.forward(batch, scratch)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, synced_time(engine.device) - t0)
         times.append(best)
     per_token = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 1e-9)
     fixed = max(times[0] - per_token * sizes[0], 0.0)
@@ -63,19 +63,19 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
             zero = torch.zeros(n, dtype=torch.long, device=engine.device)
             best = float("inf")
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0 = synced_time(engine.device)
                 hidden = engine.proposer.propose(zero, zero, None, slots=list(range(n)))
                 if engine.drafter.length_head is not None:
                     engine.drafter.length_head(hidden)
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, synced_time(engine.device) - t0)
             draft_times.append(best)
         per_draft = max((draft_times[1] - draft_times[0]) / max(wide - 1, 1), 0.0)
         draft_fixed = max(draft_times[0] - per_draft, 0.0)
         head_times = []
         for n in (4, 64):
             rows = torch.zeros(n, dtype=torch.long, device=engine.device)
-            t0 = time.perf_counter()
+            t0 = synced_time(engine.device)
             engine.proposer.proposal_logits(hidden[:1], rows, rows + 1)
-            head_times.append(time.perf_counter() - t0)
+            head_times.append(synced_time(engine.device) - t0)
         per_token += max((head_times[1] - head_times[0]) / 60, 0.0)
     return StepCostModel(fixed=fixed, per_token=per_token, per_draft=per_draft, draft_fixed=draft_fixed)

@@ -161,7 +161,7 @@ class HFTarget:
         cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
         kv_len = max(st + n for st, n in zip(starts, q_lens))
         ragged, mask, singles = None, None, None
-        if _prefer_ragged_attention(q_lens, starts):  # no compute on padded queries or keys
+        if _prefer_ragged_attention(q_lens, starts, x.device.type):  # no compute on padded queries or keys
             offsets = [0]
             for n in q_lens[:-1]:
                 offsets.append(offsets[-1] + n)
@@ -250,11 +250,18 @@ class HFTarget:
         return out
 
 
-def _prefer_ragged_attention(q_lens: list[int], starts: list[int]) -> bool:
-    """Per-request attention calls beat one padded call once padding wastes a quarter of it.
+def _prefer_ragged_attention(q_lens: list[int], starts: list[int], device_type: str = "cpu") -> bool:
+    """On a CPU, per-request attention calls beat one padded call once padding wastes a quarter
+    of it: there the padded queries' and keys' arithmetic is the cost.
 
-    Single-token rows (plain decoding) always take the padded call: it is cheap and one call.
+    On any other device one padded call is taken always. Each per-request call is several kernel
+    launches per layer, and a launch costs more than the padded arithmetic: on the first H200
+    run (benchmarks/gpu/README.md) a dflash step at c=32 took 40 ms against plain decoding's 8,
+    with about 1,700 more torch ops a step than at c=1, nearly all of them this loop's. Single-
+    token rows (plain decoding) always take the padded call: it is cheap and one call.
     """
+    if device_type != "cpu":
+        return False
     q_max = max(q_lens)
     if q_max == 1 or len(q_lens) == 1:
         return False

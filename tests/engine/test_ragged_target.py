@@ -48,3 +48,26 @@ def test_ragged_rows_match_each_request_alone(target, q_lens):
         got = logits[offset : offset + len(tail)]
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"request {i}")
         offset += len(tail)
+
+
+def test_off_the_cpu_one_padded_call_serves_every_row(target, monkeypatch):
+    """Where a launch costs more than padded arithmetic (CUDA), the rule never loops over rows;
+    the padded call it takes instead gives each request its own logits (checked here on the CPU
+    by forcing the padded path on the rows the CPU rule would serve one by one)."""
+    q_lens, prompt_lens = [2, 6, 3, 7, 2, 5], [3, 9, 5, 12, 7, 4]
+    assert hf_target._prefer_ragged_attention(q_lens, prompt_lens, "cpu")
+    assert not hf_target._prefer_ragged_attention(q_lens, prompt_lens, "cuda")
+    assert not hf_target._prefer_ragged_attention([1, 16, 1], [100, 3, 40], "cuda")
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = target.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    tails = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in q_lens]
+    outs, real = {}, hf_target._prefer_ragged_attention
+    for device_type in ("cpu", "cuda"):
+        monkeypatch.setattr(hf_target, "_prefer_ragged_attention",
+                            lambda q, s, _t, dt=device_type: real(q, s, dt))
+        cache = target.new_cache(len(prompts), 32)
+        _prefill(target, cache, prompts)
+        outs[device_type], _ = target.forward(TargetBatch.from_lists(tails, prompt_lens), cache)
+    torch.testing.assert_close(outs["cuda"], outs["cpu"], rtol=1e-6, atol=1e-6)

@@ -73,6 +73,7 @@ class BenchConfig:
     temperature: float = 0.0  # 0 = greedy; above it every mode samples (hf included)
     top_p: float = 1.0
     d2sd: dict | None = None  # mode d2sd: D2SDOptions as a dict (recovery drafter, tree_k, ...)
+    warm_up: str = "short"  # "full": one untimed pass of the whole workload per (mode, concurrency)
 
 
 @dataclass
@@ -174,11 +175,21 @@ def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
     return out
 
 
-def _warm_up(engine, workload: Workload, stop_ids) -> None:
-    """One short run so lazy work (allocator growth, adaflash's cost profile) is not timed."""
-    reqs = workload.requests(min(2, engine.max_batch_size), stop_ids)
+def _warm_up(engine, workload: Workload, stop_ids, n: int, full: bool, cfg: BenchConfig) -> None:
+    """An untimed run, so lazy work (allocator growth, adaflash's cost profile) is not timed.
+
+    short: two requests of four tokens, enough on a CPU. full: the timed runs' own requests. On
+    a GPU the first pass over each batch shape is slow (the caching allocator's first mallocs,
+    the BLAS libraries' per-shape setup): on the first H200 run, with the short warm-up, every
+    mode's first repeat ran at 0.1-0.6x its second (benchmarks/gpu/README.md).
+    """
+    if full:
+        reqs = workload.requests(n, stop_ids, cfg.temperature, cfg.top_p)
+    else:
+        reqs = workload.requests(min(2, engine.max_batch_size), stop_ids)
+        for r in reqs:
+            r.sampling = SamplingParams(max_new_tokens=min(4, r.sampling.max_new_tokens), stop_token_ids=stop_ids)
     for r in reqs:
-        r.sampling = SamplingParams(max_new_tokens=min(4, r.sampling.max_new_tokens), stop_token_ids=stop_ids)
         r.request_id = "warm-" + r.request_id
     engine.run(reqs)
     engine.stats = EngineStats()
@@ -211,9 +222,14 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                    for m in cfg.modes if m != "hf"}
         for m, e in engines.items():
             bar.set_postfix_str(f"c={c} warm-up {m}")
-            _warm_up(e, workload, stop_ids)
+            _warm_up(e, workload, stop_ids, n, cfg.warm_up == "full", cfg)
         if "hf" in cfg.modes:
-            run_hf(pair.target.model, workload.prompts[:1], [2], 1, pair.pad_token_id, stop_ids)
+            if cfg.warm_up == "full":
+                reqs = workload.requests(n, stop_ids, cfg.temperature, cfg.top_p)
+                run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs], c,
+                       pair.pad_token_id, stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
+            else:
+                run_hf(pair.target.model, workload.prompts[:1], [2], 1, pair.pad_token_id, stop_ids)
         first: dict[str, list[list[int]]] = {}
         stats: dict[str, dict] = {}
         samples: dict[str, list[float]] = {m: [] for m in cfg.modes}
@@ -509,7 +525,7 @@ def cmd_bench(args) -> int:
         modes=args.modes, max_new_tokens=args.max_new_tokens, mixed_lengths=args.mixed_lengths,
         num_prompts=args.num_prompts, repeats=args.repeats, waves=args.waves, seed=args.seed, dtype=args.dtype,
         device=args.device, ignore_eos=args.ignore_eos, use_chat_template=not args.no_chat_template,
-        threads=args.threads, temperature=args.temperature, top_p=args.top_p,
+        threads=args.threads, temperature=args.temperature, top_p=args.top_p, warm_up=args.warm_up,
     )
     opts = options_from_args(args, args.modes)
     if opts is not None:

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--waves", type=_positive_int, default=1,
                    help="submit at least WAVES x concurrency requests, so finished requests' slots get refilled (default 1)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per (mode, concurrency), interleaved; the median is reported")
+    b.add_argument("--warm-up", choices=("short", "full"), default="short",
+                   help="untimed run before the timed ones, per (mode, concurrency): short (2 requests of 4 "
+                        "tokens, default; enough on a CPU) or full (the whole workload once; use it on a GPU, "
+                        "where each batch shape's first pass is slow)")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives steadier numbers on a shared machine")
     b.add_argument("--temperature", type=float, default=0.0,

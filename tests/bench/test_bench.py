@@ -203,3 +203,39 @@ def test_step_mae_floor_matches_a_simulated_geometric_acceptance():
     mu = sum(taus) / len(taus)
     simulated = sum(abs(t - mu) for t in taus) / len(taus) / block
     assert abs(step_mae_floor(mu / block, length, block) - simulated) < 2e-3
+
+
+@pytest.mark.parametrize("warm_up", ["short", "full"])
+def test_the_warm_up_runs_before_the_timed_runs(tiny_pair, workload, tmp_path, capsys, monkeypatch, warm_up):
+    from sglang_adaflash.bench import hf_baseline
+    from sglang_adaflash.engine.engine import SpecEngine
+
+    seen, real_run, real_hf = [], SpecEngine.run, runner.run_hf
+
+    def run(self, requests, *a, **k):
+        seen.append((self.mode, [r.request_id.startswith("warm-") for r in requests],
+                     [r.sampling.max_new_tokens for r in requests]))
+        return real_run(self, requests, *a, **k)
+
+    def hf(model, prompts, max_new, *a, **k):
+        seen.append(("hf", len(prompts), list(max_new)))
+        return real_hf(model, prompts, max_new, *a, **k)
+
+    monkeypatch.setattr(SpecEngine, "run", run)
+    monkeypatch.setattr(runner, "run_hf", hf)
+    assert hf_baseline.run_hf is not hf  # the runner's own name is the one replaced
+    assert _bench(tiny_pair, workload, tmp_path, "--modes", "hf,ar,dflash", "--concurrency", "3",
+                  "--warm-up", warm_up) == 0
+    warm = [s for s in seen if s[0] != "hf" and all(s[1])]
+    timed = [s for s in seen if s[0] != "hf" and not any(s[1])]
+    assert [s[0] for s in warm] == ["ar", "dflash"] and [s[0] for s in timed] == ["ar", "dflash"]
+    hf_calls = [s for s in seen if s[0] == "hf"]
+    if warm_up == "full":  # the timed workload itself: 5 requests of 8 tokens, hf's too
+        assert all(len(s[1]) == 5 and s[2] == [8] * 5 for s in warm)
+        assert hf_calls[0][1:] == (5, [8] * 5)
+    else:
+        assert all(len(s[1]) == 2 and s[2] == [4, 4] for s in warm)
+        assert hf_calls[0][1:] == (1, [2])
+    assert hf_calls[-1][1:] == (5, [8] * 5)  # the timed hf run
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["warm_up"] == warm_up and doc["equality"]["ok"]

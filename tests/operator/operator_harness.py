@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import jsonpatch
 import pytest
 from adaflash_operator import contract as c  # noqa: E402
 from adaflash_operator import kube  # noqa: E402
@@ -30,6 +31,20 @@ class _Conflict(kmock.KubernetesError):
     reason: str = "Conflict"
     message: str = ("the object has been modified; please apply your changes to the latest "
                     "version")
+
+
+_REJECTED = "the server rejected our request due to an error in our request"
+
+
+@attrs.frozen
+class _Invalid(kmock.KubernetesError):
+    """What the API server answers to a JSON patch whose `test` fails: 422, which kopf reads as
+    "newer changes pending" and retries on its next cycle, re-reading the object. kmock answers
+    500, which kopf's client retries as is, with the same stale test, until it gives up."""
+
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = _REJECTED
 
 
 FIELD_MANAGER = "adaflash-operator"
@@ -59,6 +74,20 @@ class _Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
         ctype = request.headers.get("Content-Type", "")
+        if request.action == kmock.action.UPDATE and request.name and \
+                isinstance(request.data, list) and request.resource is not None:
+            key = (request.resource, request.namespace, request.name)
+            obj = self._objects[key] if key in self._objects else None
+            if obj is not None and not obj.deleted:
+                try:  # a dry run: only its `test` operations can fail here
+                    jsonpatch.apply_patch(obj.raw, request.data, in_place=False)
+                except jsonpatch.JsonPatchTestFailed as e:
+                    raise _Invalid(message=f"{_REJECTED}: {e}") from None
+                except jsonpatch.JsonPatchException:
+                    pass  # kmock's own answer to a patch that does not apply
+                else:  # every write moves the resourceVersion
+                    request.data.append({"op": "add", "path": "/metadata/resourceVersion",
+                                         "value": self._next_rv()})
         if request.action == kmock.action.UPDATE and request.name and \
                 isinstance(request.data, dict) and request.resource is not None:
             key = (request.resource, request.namespace, request.name)

@@ -100,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="torch device (cuda for benchmarks/gpu/)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--warm-up", choices=("short", "full"), default="short",
+                    help="untimed run per engine: 2 requests (short), or the whole workload (full: on a "
+                         "GPU, where each batch shape's first pass is slow)")
     ap.add_argument("--extra-pairs", type=int, default=4,
                     help="after the repeats, this many more ar/adaflash runs back to back (order "
                          "alternating): the paired ratio is the median of adaflash/ar over these "
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
                 return done / wall, done / cpu, ids, outs
 
             for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
-                e.run(requests()[: min(2, n)])
+                e.run(requests() if args.warm_up == "full" else requests()[: min(2, n)])
             tput = {m: [] for m in modes}
             cput = {m: [] for m in modes}
             first = {}

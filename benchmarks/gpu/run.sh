@@ -23,14 +23,17 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 pack() { tar -czf "$OUT/results.tgz" -C "$OUT" gpu; }
-# part NAME MIN_SECONDS CMD...: runs CMD (output in $R/NAME.log) if MIN_SECONDS are left
+# part NAME MIN_SECONDS MAX_SECONDS CMD...: runs CMD (output in $R/NAME.log) for at most
+# MAX_SECONDS (and the time left), if MIN_SECONDS are left
 part() {
-  local name=$1 need=$2 t0 rc
-  shift 2
+  local name=$1 need=$2 most=$3 t0 rc limit
+  shift 3
   if [ "$(left)" -lt "$need" ]; then echo "=== $name: skipped, $(left) s left"; return; fi
-  echo "=== $name ($(left) s left): $*"
+  limit=$(left)
+  [ "$limit" -gt "$most" ] && limit=$most
+  echo "=== $name ($(left) s left, at most $limit s): $*"
   t0=$(date +%s)
-  timeout "$(left)" "$@" >"$R/$name.log" 2>&1
+  timeout "$limit" "$@" >"$R/$name.log" 2>&1
   rc=$?
   echo "=== $name: rc $rc in $(($(date +%s) - t0)) s"
   grep -v "it/s\]\|s/it\]" "$R/$name.log" | tail -n 25
@@ -44,7 +47,7 @@ else
 fi
 P16=benchmarks/d2sd/prompts16.jsonl
 B="$PY -m sglang_adaflash.cli.main bench --target embedded --drafter embedded --recovery-drafter embedded
-   --device $DEV --threads 4 --waves 2 --quiet"
+   --device $DEV --threads 4 --waves 2 --warm-up full --quiet"
 
 {
   date -u; nvidia-smi 2>&1 | head -n 15
@@ -55,7 +58,7 @@ B="$PY -m sglang_adaflash.cli.main bench --target embedded --drafter embedded --
 cat "$R/environment.txt"
 
 # 1. which configurations run on this device at all (and their T=0 agreement with ar)
-part smoke 30 $PY benchmarks/gpu/smoke.py --device "$DEV" --dtype "$DT" --out "$R/smoke.json"
+part smoke 30 90 $PY benchmarks/gpu/smoke.py --device "$DEV" --dtype "$DT" --out "$R/smoke.json"
 MODES=$(sed -n 's/^modes that ran in every case: //p' "$R/smoke.log")
 MODES=${MODES:-ar}
 has() { case ",$MODES," in *",$1,"*) return 0 ;; esac; return 1; }
@@ -64,27 +67,31 @@ for m in ar dflash adaflash d2sd; do has $m && ALL=$ALL,$m; done
 echo "modes to benchmark: $ALL"
 
 # 2. the tests marked gpu (FlashInfer's skip where the package is absent)
-part gpu_tests 30 $PY -m pytest -p no:cacheprovider -o addopts="" -m gpu tests/gpu -q -rs
+part gpu_tests 30 60 $PY -m pytest -p no:cacheprovider -o addopts="" -m gpu tests/gpu -q -rs
 
 # 3. the main table: every mode, c = 1..64, in-domain prompts, bfloat16
-part bench_bf16 60 $B --dtype "$DT" --prompts "$P16" --modes "$ALL" --concurrency $C $N --out "$R/bench_bf16"
+part bench_bf16 60 400 $B --dtype "$DT" --prompts "$P16" --modes "$ALL" --concurrency $C $N --out "$R/bench_bf16"
 
-# 4. losslessness on this device: float32, where a verify and a decode round alike (T=0 equality)
-part equality_fp32 40 $B --dtype float32 --prompts "$P16" --modes "${ALL#hf,}" --concurrency 1,8 \
+# 4. where a step's time goes, per mode (host syncs, runtime calls, the profiler's top entries)
+part profile 40 120 $PY benchmarks/gpu/profile_steps.py --device "$DEV" --dtype "$DT" --concurrency 1,8 --requests 8 \
+  --max-new-tokens 32 --out "$R/profile.json"
+
+# 5. losslessness on this device: float32, where a verify and a decode round alike (T=0 equality)
+part equality_fp32 40 90 $B --dtype float32 --prompts "$P16" --modes "${ALL#hf,}" --concurrency 1,8 \
   --max-new-tokens 64 --repeats 1 --out "$R/equality_fp32"
 
-# 5. D2SD's wide tree with both tree attentions (cascade in torch; one masked call)
+# 6. D2SD's wide tree with both tree attentions (cascade in torch; one masked call)
 if has d2sd; then
   for att in torch masked; do
-    part "d2sd_auto_k4_w4_$att" 40 $B --dtype "$DT" --prompts "$P16" --modes ar,dflash,d2sd --concurrency $CD $N \
+    part "d2sd_auto_k4_w4_$att" 40 120 $B --dtype "$DT" --prompts "$P16" --modes ar,dflash,d2sd --concurrency $CD $N \
       --branch-drafter auto --tree-k 4 --branch-width 4 --tree-attention $att --out "$R/d2sd_auto_k4_w4_$att"
   done
-  part d2sd_recovery_k4_w4 40 $B --dtype "$DT" --prompts "$P16" --modes dflash,d2sd --concurrency $CD $N \
+  part d2sd_recovery_k4_w4 40 120 $B --dtype "$DT" --prompts "$P16" --modes dflash,d2sd --concurrency $CD $N \
     --tree-k 4 --branch-width 4 --out "$R/d2sd_recovery_k4_w4"
 fi
 
-# 6. adaptive verification (in-domain, math, mixed) against ar and dflash
-part adaptive 60 $PY benchmarks/adaptive/run.py --device "$DEV" --dtype "$DT" --threads 4 --concurrency $C $AD \
+# 7. adaptive verification (in-domain, math, mixed) against ar and dflash
+part adaptive 60 300 $PY benchmarks/adaptive/run.py --device "$DEV" --dtype "$DT" --threads 4 --warm-up full --concurrency $C $AD \
   --out "$R/adaptive/results.json"
 
 echo "done in $(($(date +%s) - START)) s"

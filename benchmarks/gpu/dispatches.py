@@ -1,0 +1,117 @@
+"""Torch ops dispatched per decode step, per mode and concurrency: a GPU step's launch count,
+measured on the CPU.
+
+The embedded pair is so small that on a GPU a step costs what its kernel launches cost (each op
+a launch or more, some microseconds each), not what its arithmetic costs. The number of ops a
+step dispatches is therefore the GPU figure that can be measured without one. Each mode runs
+twice: with the target's attention chosen as on a CPU (per-request calls where padding wastes a
+quarter of the padded call) and as on a GPU (one padded call), so the count shows what the
+device rule saves.
+
+    python benchmarks/gpu/dispatches.py --out benchmarks/gpu/dispatches.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
+from sglang_adaflash.core.sampling import SamplingParams
+from sglang_adaflash.d2sd.cli import D2SDOptions, attach_recovery
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.fsio import write_text_atomic
+from sglang_adaflash.launch.engine_factory import make_engine
+from sglang_adaflash.launch.loading import load_pair
+from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
+from sglang_adaflash.target import hf_target
+
+# ops that only relabel a tensor (no kernel on any device)
+VIEWS = {"aten.view", "aten.slice", "aten.select", "aten.unsqueeze", "aten.transpose", "aten.reshape",
+         "aten.expand", "aten.t", "aten.detach", "aten.detach_", "aten.alias", "aten.as_strided",
+         "aten.squeeze", "aten._unsafe_view", "aten.permute", "aten.unbind", "aten.split", "aten.lift_fresh"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(engine, requests) -> dict:
+    steps, step = [0], engine._decode_step
+
+    def counted():
+        steps[0] += 1
+        step()
+
+    engine._decode_step = counted
+    counter = OpCounter()
+    with counter:
+        engine.run(requests)
+    n = max(steps[0], 1)
+    total = sum(counter.ops.values())
+    views = sum(v for k, v in counter.ops.items() if k in VIEWS)
+    return {"steps": steps[0], "ops_per_step": total / n, "compute_ops_per_step": (total - views) / n,
+            "attention_calls_per_step": counter.ops["aten.scaled_dot_product_attention"] / n}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="ar,dflash,adaflash,d2sd")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
+    attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter")))
+    half = args.requests // 2
+    specs = (read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:half]
+             + read_prompts(WORKLOADS_DIR / "prose.heldout.jsonl")[: args.requests - half])
+    prompts = [resolve_prompt_ids(s, pair.tokenizer) for s in specs]
+    stop = tuple(pair.stop_token_ids)
+    max_seq = max(len(p) for p in prompts) + args.max_new_tokens
+
+    def requests():
+        return [Request(list(p), SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop), f"r{i}")
+                for i, p in enumerate(prompts)]
+
+    real_rule, rows = hf_target._prefer_ragged_attention, []
+    try:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            for mode in args.modes.split(","):
+                row = {"mode": mode, "concurrency": c}
+                for rule in ("cpu", "cuda"):
+                    hf_target._prefer_ragged_attention = lambda q, s, _t, rule=rule: real_rule(q, s, rule)
+                    engine = make_engine(pair, mode, c, max_seq, 0, num_requests=len(prompts))
+                    engine.run(requests()[:2])  # the cost profile and first allocations, uncounted
+                    row[rule] = count(engine, requests())
+                rows.append(row)
+                a, b = row["cpu"], row["cuda"]
+                print(f"c={c:3d} {mode:9s} ops/step {a['ops_per_step']:7.0f} -> {b['ops_per_step']:7.0f} "
+                      f"(kernel ops {a['compute_ops_per_step']:6.0f} -> {b['compute_ops_per_step']:6.0f}, "
+                      f"attention calls {a['attention_calls_per_step']:5.1f} -> {b['attention_calls_per_step']:5.1f})",
+                      flush=True)
+    finally:
+        hf_target._prefer_ragged_attention = real_rule
+    doc = {"command": "benchmarks/gpu/dispatches.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "torch": torch.__version__, "config": {k: v for k, v in vars(args).items() if k != "out"},
+           "note": "per decode step; 'cpu' and 'cuda' name the attention rule, both counted on the CPU",
+           "results": rows}
+    write_text_atomic(args.out, json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,21 +48,33 @@ class OpCounter(TorchDispatchMode):
 
 
 def count(engine, requests) -> dict:
-    steps, step = [0], engine._decode_step
+    steps, step, reads = [0], engine._decode_step, [0]
+    tolist = torch.Tensor.tolist
 
     def counted():
         steps[0] += 1
         step()
 
+    def counted_tolist(t):
+        reads[0] += 1
+        return tolist(t)
+
     engine._decode_step = counted
     counter = OpCounter()
-    with counter:
-        engine.run(requests)
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with counter:
+            engine.run(requests)
+    finally:
+        torch.Tensor.tolist = tolist
     n = max(steps[0], 1)
     total = sum(counter.ops.values())
     views = sum(v for k, v in counter.ops.items() if k in VIEWS)
     return {"steps": steps[0], "ops_per_step": total / n, "compute_ops_per_step": (total - views) / n,
-            "attention_calls_per_step": counter.ops["aten.scaled_dot_product_attention"] / n}
+            "attention_calls_per_step": counter.ops["aten.scaled_dot_product_attention"] / n,
+            # .tolist() and .item()/int()/float()/bool() of a tensor: on a GPU each read of a device
+            # tensor is a synchronisation (here every tensor is on the host, so all are counted)
+            "host_reads_per_step": (reads[0] + counter.ops["aten._local_scalar_dense"]) / n}
 
 
 def main(argv=None) -> int:
@@ -71,11 +83,17 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--tree-rule", default="load_aware", choices=("load_aware", "fixed"),
+                    help="d2sd's rule; fixed builds the whole tree every step, as the load-aware rule "
+                         "nearly does where verify tokens are cheap (a GPU)")
+    ap.add_argument("--tree-k", type=int, default=2)
+    ap.add_argument("--branch-width", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
-    attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter")))
+    attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter"), tree_rule=args.tree_rule,
+                                      tree_k=args.tree_k, branch_width=args.branch_width))
     half = args.requests // 2
     specs = (read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:half]
              + read_prompts(WORKLOADS_DIR / "prose.heldout.jsonl")[: args.requests - half])
@@ -101,7 +119,8 @@ def main(argv=None) -> int:
                 a, b = row["cpu"], row["cuda"]
                 print(f"c={c:3d} {mode:9s} ops/step {a['ops_per_step']:7.0f} -> {b['ops_per_step']:7.0f} "
                       f"(kernel ops {a['compute_ops_per_step']:6.0f} -> {b['compute_ops_per_step']:6.0f}, "
-                      f"attention calls {a['attention_calls_per_step']:5.1f} -> {b['attention_calls_per_step']:5.1f})",
+                      f"attention calls {a['attention_calls_per_step']:5.1f} -> {b['attention_calls_per_step']:5.1f}, "
+                      f"host reads {a['host_reads_per_step']:5.1f} -> {b['host_reads_per_step']:5.1f})",
                       flush=True)
     finally:
         hf_target._prefer_ragged_attention = real_rule

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..core.clock import synced_time
@@ -302,39 +303,62 @@ class D2SDEngine(SpecEngine):
         next best token at r (at T > 0 drawn without the chain's and the earlier alternatives'
         tokens, which the verifier knows when it tries it)."""
         b = self.block_size
-        ids = torch.full((len(pending), b), self.drafter.config.mask_token_id, dtype=torch.long)
+        # built on the host in numpy: a torch op per branch here was 6 dispatches a branch
+        ids = np.full((len(pending), b), self.drafter.config.mask_token_id, dtype=np.int64)
         width = max(ln for _, _, ln, _ in pending)
-        read = torch.empty(len(pending), width, dtype=torch.long)
+        slots = np.array([r for _, r, _, _ in pending], dtype=np.int64)
+        read = np.minimum(slots[:, None] + np.arange(width)[None], b - 1)  # slots r .. r+l-1, then padding
         for m, (j, r, _, _) in enumerate(pending):
             known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
-            ids[m, : len(known)] = torch.tensor(known)
-            read[m] = torch.arange(r, r + width).clamp(max=b - 1)  # slots r .. r+l-1, then padding
-        logits = self._branch_logits(seqs, ids.to(self.device), [rows[j] for j, _, _, _ in pending],
-                                     read.to(self.device))  # [m, width, V]
+            ids[m, : len(known)] = known
+        logits = self._branch_logits(seqs, torch.from_numpy(ids).to(self.device), [rows[j] for j, _, _, _ in pending],
+                                     torch.from_numpy(read).to(self.device))  # [m, width, V]
+        greedy = [m for m, (j, _, _, _) in enumerate(pending) if j not in hot_set]
+        if greedy:  # every greedy branch's tokens in a few batched reads
+            at = torch.tensor(greedy, device=self.device)
+            ranked = dict(zip(greedy, self._ranked_tokens(
+                logits[at, 0].float(), [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
+                [pending[m][3] for m in greedy], argmax_alone=True)))
+            rest = dict(zip(greedy, logits[at, 1:].float().argmax(-1).tolist()))  # slots r+1 ..
         out: dict[int, list[Branch]] = {}
         for m, (j, r, ln, n_alt) in enumerate(pending):
-            span = logits[m, :ln]  # slots r .. r+l-1
-            if j in hot_set:
-                seq = seqs[rows[j]]
-                q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
-            else:
-                q = span.float()
+            if j not in hot_set:
+                mine = [Branch(r, [ranked[m][0]] + rest[m][: ln - 1])] + [Branch(r, [t]) for t in ranked[m][1:]]
+                self.tree_stats["alternatives"] += len(mine) - 1
+                out.setdefault(j, []).extend(mine)
+                continue
+            span = logits[m, :ln]  # a sampled row's slots r .. r+l-1
+            seq = seqs[rows[j]]
+            q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
             first = q[0].clone()
-            first[chain_l[j][r - 1]] = 0.0 if j in hot_set else float("-inf")  # differs from the chain's token
-            if j in hot_set:
-                if float(first.sum()) <= 0:
-                    continue
-                first = first / first.sum()
-                toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
-                                                                      if ln > 1 else [])
-                mine = [Branch(r, toks, [first] + list(q[1:]))]
-                mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
-            else:
-                ranked = first.topk(1 + n_alt).indices.tolist() if n_alt else [int(first.argmax())]
-                mine = [Branch(r, [ranked[0]] + q[1:].argmax(-1).tolist())]
-                mine += [Branch(r, [tok]) for tok in ranked[1:]]
+            first[chain_l[j][r - 1]] = 0.0  # differs from the chain's token
+            if float(first.sum()) <= 0:
+                continue
+            first = first / first.sum()
+            toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
+                                                                  if ln > 1 else [])
+            mine = [Branch(r, toks, [first] + list(q[1:]))]
+            mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
             self.tree_stats["alternatives"] += len(mine) - 1
             out.setdefault(j, []).extend(mine)
+        return out
+
+    @staticmethod
+    def _ranked_tokens(scores: torch.Tensor, excluded: list[int], n_alts: list[int], *, argmax_alone: bool) -> list[list[int]]:
+        """scores [G, V] at each greedy branch's slot, excluded[g] the chain's token there -> each
+        row's best 1 + n_alts[g] other tokens, best first (argmax_alone: by argmax where no
+        alternative is wanted, else by topk). One device read per distinct count: a read per
+        branch was a host synchronisation per branch on a GPU."""
+        dev = scores.device
+        scores = scores.clone()
+        scores[torch.arange(len(excluded), device=dev), torch.tensor(excluded, device=dev)] = float("-inf")
+        out: list[list[int]] = [[] for _ in n_alts]
+        for n in sorted(set(n_alts)):
+            idx = [g for g, k in enumerate(n_alts) if k == n]
+            sel = scores[torch.tensor(idx, device=dev)]
+            picked = sel.argmax(-1)[:, None] if n == 0 and argmax_alone else sel.topk(1 + n).indices
+            for g, toks in zip(idx, picked.tolist()):
+                out[g] = toks
         return out
 
     def _first_drafter_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
@@ -343,19 +367,27 @@ class D2SDEngine(SpecEngine):
         first drawn from its distribution q without the chain's token, each further one without
         every token tried before it, as in _sampled_alternatives)."""
         out: dict[int, list[Branch]] = {}
-        for j, r, _, n_alt in pending:
-            dist = q[j, r - 1].clone()  # slot r's distribution (filtered at T > 0)
-            if j in hot_set:
-                seq = seqs[rows[j]]
-                dist[chain_l[j][r - 1]] = 0.0
-                if float(dist.sum()) <= 0:
-                    continue
-                dist = dist / dist.sum()
-                tok = int(self._sample(dist[None], [seq])[0])
-                mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
-            else:
-                dist[chain_l[j][r - 1]] = float("-inf")
-                mine = [Branch(r, [t]) for t in dist.topk(1 + n_alt).indices.tolist()]
+        greedy = [m for m, (j, _, _, _) in enumerate(pending) if j not in hot_set]
+        if greedy:  # every greedy row's alternatives in a few batched reads
+            at_rows = torch.tensor([pending[m][0] for m in greedy], device=q.device)
+            at_slots = torch.tensor([pending[m][1] - 1 for m in greedy], device=q.device)
+            ranked = dict(zip(greedy, self._ranked_tokens(
+                q[at_rows, at_slots], [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
+                [pending[m][3] for m in greedy], argmax_alone=False)))
+        for m, (j, r, _, n_alt) in enumerate(pending):
+            if j not in hot_set:
+                mine = [Branch(r, [t]) for t in ranked[m]]
+                self.tree_stats["alternatives"] += len(mine) - 1
+                out.setdefault(j, []).extend(mine)
+                continue
+            dist = q[j, r - 1].clone()  # a sampled row's slot r distribution (filtered)
+            seq = seqs[rows[j]]
+            dist[chain_l[j][r - 1]] = 0.0
+            if float(dist.sum()) <= 0:
+                continue
+            dist = dist / dist.sum()
+            tok = int(self._sample(dist[None], [seq])[0])
+            mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
             self.tree_stats["alternatives"] += len(mine) - 1
             out.setdefault(j, []).extend(mine)
         return out
@@ -490,15 +522,22 @@ class D2SDEngine(SpecEngine):
         tested, won = self._calib
         tested.mul_(0.995)
         won.mul_(0.995)
+        parts, accepted = [], []  # each row's tested slots' confidences; whether each was accepted
         for i, r in enumerate(results):
             raw = self._raw_conf.get(i)
             if raw is None or raw.numel() == 0:
                 continue
             on_chain = next((k for k, n in enumerate(r.path) if n != k), len(r.path)) - 1  # accepted chain slots
             upto = min(on_chain + 1, raw.numel())
-            b = (raw[:upto].float().cpu() * self._BINS).long().clamp(max=self._BINS - 1)
-            tested.index_add_(0, b, torch.ones(upto))
-            won.index_add_(0, b[:on_chain], torch.ones(min(on_chain, upto)))
+            parts.append(raw[:upto])
+            accepted += [k < on_chain for k in range(upto)]
+        if not parts:
+            return
+        # one device read for the batch (a read per row was a host sync per row on a GPU)
+        b = (torch.cat(parts).float().cpu() * self._BINS).long().clamp(max=self._BINS - 1)
+        tested.index_add_(0, b, torch.ones(len(b)))
+        hit = b[torch.tensor(accepted, dtype=torch.bool)]
+        won.index_add_(0, hit, torch.ones(len(hit)))
 
     def _profile_recovery(self, repeats: int = 2) -> tuple[float, float]:
         """Seconds of the recovery drafter's forward and LM head: a fixed part and a part per branch."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -92,25 +93,43 @@ class FlatTree:
         return self.tokens.shape[1]
 
 
+def _ancestors(parents: np.ndarray) -> np.ndarray:
+    """parents [bs, n] (-1: none) -> [bs, n, n] bool: node i sees itself and its ancestors.
+
+    Pointer jumping over every row at once: step d marks each node's ancestor d levels up, so a
+    step costs a few array operations whatever the batch, and there are as many steps as the
+    deepest tree is deep (a block's slots at most). Building the matrix node by node in torch
+    dispatched three ops a node: 2,100 a step at c=32, a tenth of a CPU tree step and more
+    than the target's whole forward on a GPU (benchmarks/gpu/README.md).
+    """
+    bs, n = parents.shape
+    anc = np.zeros((bs, n, n), dtype=bool)
+    rows, nodes = np.nonzero(np.ones((bs, n), dtype=bool))
+    anc[rows, nodes, nodes] = True
+    up = parents
+    while True:
+        rows, nodes = np.nonzero(up >= 0)
+        if rows.size == 0:
+            return anc
+        anc[rows, nodes, up[rows, nodes]] = True
+        up = np.where(up >= 0, np.take_along_axis(parents, np.maximum(up, 0), axis=1), -1)
+
+
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """[n, n] bool, row i true at i and each ancestor of i (parents come before children)."""
-    n = len(parents)
-    anc = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc
+    return torch.from_numpy(_ancestors(np.asarray([parents], dtype=np.int64))[0])
 
 
 def flatten(rows: list[TreeRow], device) -> FlatTree:
     n = max(r.size for r in rows)
     bs = len(rows)
-    tokens = torch.zeros(bs, n, dtype=torch.long)
-    depths = torch.zeros(bs, n, dtype=torch.long)
-    anc = torch.eye(n, dtype=torch.bool).repeat(bs, 1, 1)  # padding sees itself only
+    tokens = np.zeros((bs, n), dtype=np.int64)
+    depths = np.zeros((bs, n), dtype=np.int64)
+    parents = np.full((bs, n), -1, dtype=np.int64)  # padding has none: it sees itself only
     for i, r in enumerate(rows):
-        tokens[i, : r.size] = torch.tensor(r.tokens)
-        depths[i, : r.size] = torch.tensor(r.depths)
-        anc[i, : r.size, : r.size] = ancestor_matrix(r.parents)
+        tokens[i, : r.size] = r.tokens
+        depths[i, : r.size] = r.depths
+        parents[i, : r.size] = r.parents
     sizes = torch.tensor([r.size for r in rows], dtype=torch.long)
-    return FlatTree(tokens.to(device), depths.to(device), anc.to(device), sizes)
+    return FlatTree(torch.from_numpy(tokens).to(device), torch.from_numpy(depths).to(device),
+                    torch.from_numpy(_ancestors(parents)).to(device), sizes)

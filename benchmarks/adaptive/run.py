@@ -27,6 +27,7 @@ import torch
 
 from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
 from sglang_adaflash.bench.metrics import step_mae_floor
+from sglang_adaflash.bench.runner import recorded_path
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import EngineStats
 from sglang_adaflash.engine.request import Request
@@ -208,9 +209,12 @@ def main(argv=None) -> int:
                          f" floor {cal['mae_drafted_floor'] if cal['mae_drafted_floor'] is None else round(cal['mae_drafted_floor'], 4)}"
                          f"  per-request {cal['request_mae'] if cal['request_mae'] is None else round(cal['request_mae'], 4)}")
             print(f"{wname:9s} c={c:3d}  {line}{extra}", flush=True)
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--out" in given:  # as bench records it: no machine's absolute path
+        given[given.index("--out") + 1] = recorded_path(args.out)
     doc = {
-        "command": "benchmarks/adaptive/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": vars(args),
+        "command": "benchmarks/adaptive/run.py " + " ".join(given),
+        "config": {**vars(args), "out": recorded_path(args.out)},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": args.threads, "machine": platform.machine(),
                         "cuda": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},

@@ -124,7 +124,12 @@ def main(argv=None) -> int:
                       flush=True)
     finally:
         hf_target._prefer_ragged_attention = real_rule
-    doc = {"command": "benchmarks/gpu/dispatches.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    from sglang_adaflash.bench.runner import recorded_path
+
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--out" in given:  # a machine's absolute path says nothing on another machine
+        given[given.index("--out") + 1] = recorded_path(args.out)
+    doc = {"command": "benchmarks/gpu/dispatches.py " + " ".join(given),
            "torch": torch.__version__, "config": {k: v for k, v in vars(args).items() if k != "out"},
            "note": "per decode step; 'cpu' and 'cuda' name the attention rule, both counted on the CPU",
            "results": rows}

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                 print(f"      {ms:8.3f} ms/step  {count:7.1f} calls/step  {key}", flush=True)
             del engine
     doc = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__,
-           "cuda": torch.cuda.get_device_name(0) if cuda else None, "config": vars(args), "results": rows}
+           "cuda": torch.cuda.get_device_name(0) if cuda else None, "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows}
     write_text_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -19,16 +19,11 @@ import json
 import sys
 
 import torch
+from embedded import load, make_requests
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
-from sglang_adaflash.core.sampling import SamplingParams
-from sglang_adaflash.d2sd.cli import D2SDOptions, attach_recovery
-from sglang_adaflash.engine.request import Request
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
-from sglang_adaflash.launch.loading import load_pair
-from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
 from sglang_adaflash.target import hf_target
 
 # ops that only relabel a tensor (no kernel on any device)
@@ -91,19 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
-    attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter"), tree_rule=args.tree_rule,
-                                      tree_k=args.tree_k, branch_width=args.branch_width))
-    half = args.requests // 2
-    specs = (read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:half]
-             + read_prompts(WORKLOADS_DIR / "prose.heldout.jsonl")[: args.requests - half])
-    prompts = [resolve_prompt_ids(s, pair.tokenizer) for s in specs]
-    stop = tuple(pair.stop_token_ids)
+    pair, prompts = load("cpu", "float32", args.requests,
+                         d2sd={"tree_rule": args.tree_rule, "tree_k": args.tree_k, "branch_width": args.branch_width})
     max_seq = max(len(p) for p in prompts) + args.max_new_tokens
 
     def requests():
-        return [Request(list(p), SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop), f"r{i}")
-                for i, p in enumerate(prompts)]
+        return make_requests(pair, prompts, args.max_new_tokens)
 
     real_rule, rows = hf_target._prefer_ragged_attention, []
     try:

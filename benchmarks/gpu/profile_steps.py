@@ -20,17 +20,12 @@ import time
 import warnings
 
 import torch
+from embedded import load, make_requests
 from torch.profiler import ProfilerActivity, profile
 
-from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
 from sglang_adaflash.core.clock import synced_time
-from sglang_adaflash.core.sampling import SamplingParams
-from sglang_adaflash.d2sd.cli import D2SDOptions, attach_recovery
-from sglang_adaflash.engine.request import Request
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
-from sglang_adaflash.launch.loading import load_pair
-from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
 
 RUNTIME_CALLS = ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
                  "cudaMalloc", "cudaFree", "cudaEventSynchronize")
@@ -60,18 +55,12 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype=args.dtype, device=args.device)
-    attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter")))
-    specs = (read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[: args.requests // 2]
-             + read_prompts(WORKLOADS_DIR / "prose.heldout.jsonl")[: args.requests - args.requests // 2])
-    prompts = [resolve_prompt_ids(s, pair.tokenizer) for s in specs]
-    stop = tuple(pair.stop_token_ids)
+    pair, prompts = load(args.device, args.dtype, args.requests, d2sd={})
     max_seq = max(len(p) for p in prompts) + args.max_new_tokens
     cuda = args.device.startswith("cuda")
 
     def requests():
-        return [Request(list(p), SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop), f"r{i}")
-                for i, p in enumerate(prompts)]
+        return make_requests(pair, prompts, args.max_new_tokens)
 
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
@@ -114,7 +103,7 @@ def main(argv=None) -> int:
                    "top_self_cpu_ms_per_step": [(e.key, e.self_cpu_time_total / 1e3 / n, e.count / n) for e in top]}
             rows.append(row)
             print(f"c={c:3d} {mode:9s} {ms_step:.2f} ms/step, syncs/step {syncs}, "
-                  f"aten {aten_ms:.2f} ms/step, CUDA runtime {runtime_ms:.2f} ms/step, "
+                  f"profiled (slower): aten {aten_ms:.2f} ms/step, CUDA runtime {runtime_ms:.2f} ms/step, "
                   f"calls/step {({k: round(v, 1) for k, v in calls.items()})}", flush=True)
             for key, ms, count in row["top_self_cpu_ms_per_step"][:8]:
                 print(f"      {ms:8.3f} ms/step  {count:7.1f} calls/step  {key}", flush=True)

@@ -18,15 +18,10 @@ import time
 import traceback
 
 import torch
+from embedded import attach, load, make_requests
 
-from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
-from sglang_adaflash.core.sampling import SamplingParams
-from sglang_adaflash.d2sd.cli import D2SDOptions, attach_recovery
-from sglang_adaflash.engine.request import Request
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
-from sglang_adaflash.launch.loading import load_pair
-from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
 
 # (name, mode, d2sd options, temperature)
 CASES = [
@@ -53,10 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype=args.dtype, device=args.device)
-    specs = read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[: args.requests]
-    prompts = [resolve_prompt_ids(s, pair.tokenizer) for s in specs]
-    stop = tuple(pair.stop_token_ids)
+    pair, prompts = load(args.device, args.dtype, args.requests, domains=("code",))
     max_seq = max(len(p) for p in prompts) + args.max_new_tokens
     cases, reference = [], None
     for name, mode, d2sd, temperature in CASES:
@@ -64,11 +56,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             if d2sd is not None:
-                attach_recovery(pair, D2SDOptions(recovery_drafter=str(MODELS_DIR / "recovery_drafter"), **d2sd))
+                attach(pair, d2sd)
             engine = make_engine(pair, mode, args.concurrency, max_seq, 0, num_requests=len(prompts))
-            reqs = [Request(list(p), SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop,
-                                                    temperature=temperature), f"r{i}") for i, p in enumerate(prompts)]
-            outs = engine.run(reqs)
+            outs = engine.run(make_requests(pair, prompts, args.max_new_tokens, temperature))
             failed = [o.error for o in outs if not o.ok]
             ids = [o.output_ids for o in outs]
             case.update(ok=not failed, request_errors=failed[:3], tokens=sum(len(x) for x in ids),

@@ -191,12 +191,7 @@ class D2SDEngine(SpecEngine):
             seq.stats.record(tree.size, r.num_accepted)
             if self._draft_off:
                 seq.stats.drafted.append(i in mine)
-                seq.since_draft = 0 if i in mine else seq.since_draft + 1
-                if i in probes:
-                    seq.probe_gap = self.choice.next_probe_gap(seq.probe_gap, accepted_nothing=r.num_accepted == 0)
-            seq.cache_len += len(r.tokens)
-            self.stats.committed_tokens += len(r.tokens)
-            self._append(seq, r.tokens)
+            self._commit_row(seq, r.tokens, drafted=(i in mine) if self._draft_off else None, probed=i in probes)
         t2 = synced_time(self.device)
         verified = int(flat.sizes.sum())
         if self._draft_off:

@@ -611,12 +611,18 @@ class SpecEngine:
             if predicted is not None:
                 seq.stats.predicted_ratios.append(predicted[i])
                 seq.stats.drafted.append(i in drafted)
-            seq.since_draft = 0 if i in drafted else seq.since_draft + 1
-            if i in probes:
-                seq.probe_gap = self.choice.next_probe_gap(seq.probe_gap, accepted_nothing=len(toks) == 1)
-            seq.cache_len += len(toks)  # slot 0 .. last accepted now have committed K/V
-            self.stats.committed_tokens += len(toks)
-            self._append(seq, toks)
+            self._commit_row(seq, toks, drafted=i in drafted, probed=i in probes)
+
+    def _commit_row(self, seq: _Seq, toks: list[int], *, drafted: bool | None, probed: bool) -> None:
+        """One row after its verify: its draft-or-not history (drafted None: not tracked), then
+        its committed tokens (the bonus token and the accepted proposals before it)."""
+        if drafted is not None:
+            seq.since_draft = 0 if drafted else seq.since_draft + 1
+        if probed:  # a probe that accepted nothing backs the next one off
+            seq.probe_gap = self.choice.next_probe_gap(seq.probe_gap, accepted_nothing=len(toks) == 1)
+        seq.cache_len += len(toks)  # slot 0 .. last accepted now have committed K/V
+        self.stats.committed_tokens += len(toks)
+        self._append(seq, toks)
 
     def _append(self, seq: _Seq, toks: list[int]) -> None:
         """Add committed tokens, honouring stop tokens and max_new_tokens."""

@@ -107,12 +107,13 @@ def _ancestors(parents: np.ndarray) -> np.ndarray:
     rows, nodes = np.nonzero(np.ones((bs, n), dtype=bool))
     anc[rows, nodes, nodes] = True
     up = parents
-    while True:
+    for _ in range(n + 1):  # no path up is longer than the row (build_row lists parents first)
         rows, nodes = np.nonzero(up >= 0)
         if rows.size == 0:
             return anc
         anc[rows, nodes, up[rows, nodes]] = True
         up = np.where(up >= 0, np.take_along_axis(parents, np.maximum(up, 0), axis=1), -1)
+    raise ValueError("a tree's parents form a cycle")
 
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:

@@ -151,3 +151,10 @@ def test_flatten_dispatches_as_many_torch_ops_for_32_rows_as_for_2():
             flatten([row] * bs, "cpu")
         counts.append(Count.ops)
     assert counts[0] == counts[1] and counts[1] < 20, counts
+
+
+def test_parents_that_loop_are_refused_not_walked_forever():
+    from sglang_adaflash.d2sd.tree import TreeRow
+
+    with pytest.raises(ValueError, match="cycle"):
+        flatten([TreeRow([1, 2, 3], [-1, 2, 1], [0, 1, 2], [None] * 3)], "cpu")

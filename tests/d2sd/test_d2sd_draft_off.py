@@ -248,3 +248,20 @@ def test_a_path_that_ran_to_a_leaf_counts_no_failure(target, drafter):
     eng._observe_survival([0, 1], trees, results)
     s, f = eng.posterior.counts[:, 0].tolist(), eng.posterior.counts[:, 1].tolist()
     assert s == [2.0, 1.0] and f == [0.0, 1.0], (s, f)
+
+
+def test_draft_off_with_the_measured_cost_model_is_lossless(target, drafter):
+    """The other tests fix the step costs; here they are profiled and refitted from the steps'
+    own timings (as bench and serve run), so forced rows are charged what they took
+    (charge_forced). Which steps draft then depends on the machine; the output may not: it is
+    ar's token for token, with requests joining as others finish, and an undrafted
+    request-step verifies its bonus token only."""
+    prompts = _prompts(5, seed=17)
+    max_new = [30, 18, 26, 30, 9]
+    eng = _engine(D2SDEngine, target, drafter, cost_model=None, draft_off=True, probe_every=3, probe_share=1.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new)])
+    assert [o.output_ids for o in outs] == _ar(target, prompts, max_new)
+    assert eng._online_cost is not None  # the measured model, not a fixed one
+    for o in outs:
+        assert len(o.stats.drafted) == o.stats.steps
+        assert all(v == 1 for v, d in zip(o.stats.verify_lens, o.stats.drafted) if not d)

@@ -175,15 +175,15 @@ def _models(pair: LoadedPair, cfg: BenchConfig) -> dict:
     return out
 
 
-def _warm_up(engine, workload: Workload, stop_ids, n: int, full: bool, cfg: BenchConfig) -> None:
+def _warm_up(engine, workload: Workload, stop_ids, n: int, cfg: BenchConfig) -> None:
     """An untimed run, so lazy work (allocator growth, adaflash's cost profile) is not timed.
 
     short: two requests of four tokens, enough on a CPU. full: the timed runs' own requests. On
-    a GPU the first pass over each batch shape is slow (the caching allocator's first mallocs,
-    the BLAS libraries' per-shape setup): on the first H200 run, with the short warm-up, every
-    mode's first repeat ran at 0.1-0.6x its second (benchmarks/gpu/README.md).
+    a GPU the first pass over each batch shape is slow (candidates: the caching allocator's first
+    mallocs, the BLAS libraries' per-shape setup): on the first H200 run, with the short warm-up,
+    the first repeat ran at 0.08-0.63x the second in 16 of 20 cells (benchmarks/gpu/README.md).
     """
-    if full:
+    if cfg.warm_up == "full":
         reqs = workload.requests(n, stop_ids, cfg.temperature, cfg.top_p)
     else:
         reqs = workload.requests(min(2, engine.max_batch_size), stop_ids)
@@ -222,12 +222,15 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                    for m in cfg.modes if m != "hf"}
         for m, e in engines.items():
             bar.set_postfix_str(f"c={c} warm-up {m}")
-            _warm_up(e, workload, stop_ids, n, cfg.warm_up == "full", cfg)
+            _warm_up(e, workload, stop_ids, n, cfg)
+
+        def hf_run(reqs, progress=None, c=c):
+            return run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs],
+                          c, pair.pad_token_id, stop_ids, progress=progress, temperature=cfg.temperature, top_p=cfg.top_p)
+
         if "hf" in cfg.modes:
             if cfg.warm_up == "full":
-                reqs = workload.requests(n, stop_ids, cfg.temperature, cfg.top_p)
-                run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs], c,
-                       pair.pad_token_id, stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
+                hf_run(workload.requests(n, stop_ids, cfg.temperature, cfg.top_p))
             else:
                 run_hf(pair.target.model, workload.prompts[:1], [2], 1, pair.pad_token_id, stop_ids)
         first: dict[str, list[list[int]]] = {}
@@ -243,9 +246,7 @@ def run_bench(cfg: BenchConfig, pair: LoadedPair, specs: list[PromptSpec], *, pr
                 reqs = workload.requests(n, stop_ids, cfg.temperature, cfg.top_p)
                 cpu0 = time.process_time()
                 if mode == "hf":
-                    hf = run_hf(pair.target.model, [r.prompt_ids for r in reqs], [r.sampling.max_new_tokens for r in reqs],
-                                c, pair.pad_token_id, stop_ids, progress=bar,
-                                temperature=cfg.temperature, top_p=cfg.top_p)
+                    hf = hf_run(reqs, progress=bar)
                     wall, outs_ids, hf_decoded = hf.wall_s, hf.outputs, hf.decoded_tokens
                     agg = None
                 else:

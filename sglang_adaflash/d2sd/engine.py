@@ -319,21 +319,19 @@ class D2SDEngine(SpecEngine):
         for m, (j, r, ln, n_alt) in enumerate(pending):
             if j not in hot_set:
                 mine = [Branch(r, [ranked[m][0]] + rest[m][: ln - 1])] + [Branch(r, [t]) for t in ranked[m][1:]]
-                self.tree_stats["alternatives"] += len(mine) - 1
-                out.setdefault(j, []).extend(mine)
-                continue
-            span = logits[m, :ln]  # a sampled row's slots r .. r+l-1
-            seq = seqs[rows[j]]
-            q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
-            first = q[0].clone()
-            first[chain_l[j][r - 1]] = 0.0  # differs from the chain's token
-            if float(first.sum()) <= 0:
-                continue
-            first = first / first.sum()
-            toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
-                                                                  if ln > 1 else [])
-            mine = [Branch(r, toks, [first] + list(q[1:]))]
-            mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
+            else:
+                span = logits[m, :ln]  # a sampled row's slots r .. r+l-1
+                seq = seqs[rows[j]]
+                q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
+                first = q[0].clone()
+                first[chain_l[j][r - 1]] = 0.0  # differs from the chain's token
+                if float(first.sum()) <= 0:
+                    continue
+                first = first / first.sum()
+                toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
+                                                                      if ln > 1 else [])
+                mine = [Branch(r, toks, [first] + list(q[1:]))]
+                mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
             self.tree_stats["alternatives"] += len(mine) - 1
             out.setdefault(j, []).extend(mine)
         return out
@@ -372,17 +370,15 @@ class D2SDEngine(SpecEngine):
         for m, (j, r, _, n_alt) in enumerate(pending):
             if j not in hot_set:
                 mine = [Branch(r, [t]) for t in ranked[m]]
-                self.tree_stats["alternatives"] += len(mine) - 1
-                out.setdefault(j, []).extend(mine)
-                continue
-            dist = q[j, r - 1].clone()  # a sampled row's slot r distribution (filtered)
-            seq = seqs[rows[j]]
-            dist[chain_l[j][r - 1]] = 0.0
-            if float(dist.sum()) <= 0:
-                continue
-            dist = dist / dist.sum()
-            tok = int(self._sample(dist[None], [seq])[0])
-            mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
+            else:
+                dist = q[j, r - 1].clone()  # a sampled row's slot r distribution (filtered)
+                seq = seqs[rows[j]]
+                dist[chain_l[j][r - 1]] = 0.0
+                if float(dist.sum()) <= 0:
+                    continue
+                dist = dist / dist.sum()
+                tok = int(self._sample(dist[None], [seq])[0])
+                mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
             self.tree_stats["alternatives"] += len(mine) - 1
             out.setdefault(j, []).extend(mine)
         return out

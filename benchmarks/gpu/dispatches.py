@@ -24,7 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
+from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.target import hf_target
+
+# Step prices of the embedded pair on the H200 (bf16; benchmarks/gpu/h200_767cc69: a plain step
+# 7-10 ms from c=1 to 64, a dflash step 3 ms above it at c=1), rounded. Fixed in place of the
+# engine's measured CPU costs, they make adaflash and d2sd draft as they do on that GPU, where
+# nearly every row drafts, at lengths that differ from row to row.
+GPU_COSTS = StepCostModel(fixed=7e-3, per_token=5e-5, per_draft=1e-4, draft_fixed=2.5e-3)
 
 # ops that only relabel a tensor (no kernel on any device)
 VIEWS = {"aten.view", "aten.slice", "aten.select", "aten.unsqueeze", "aten.transpose", "aten.reshape",
@@ -32,13 +39,29 @@ VIEWS = {"aten.view", "aten.slice", "aten.select", "aten.unsqueeze", "aten.trans
          "aten.squeeze", "aten._unsafe_view", "aten.permute", "aten.unbind", "aten.split", "aten.lift_fresh"}
 
 
+# ops whose output size depends on values: on a GPU each waits for the device (a nonzero inside)
+DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten.masked_scatter", "aten.unique", "aten._unique2",
+                  "aten.repeat_interleave"}
+INDEXING = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"}
+
+
+def _bool_index(args) -> bool:
+    """Whether an index/index_put call indexes with a boolean mask (a nonzero on the device)."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
 class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.mask_syncs = 0  # boolean-mask indexing and data-dependent shapes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        if name in DATA_DEPENDENT or (name in INDEXING and _bool_index(args)):
+            self.mask_syncs += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -69,7 +92,10 @@ def count(engine, requests) -> dict:
             "attention_calls_per_step": counter.ops["aten.scaled_dot_product_attention"] / n,
             # .tolist() and .item()/int()/float()/bool() of a tensor: on a GPU each read of a device
             # tensor is a synchronisation (here every tensor is on the host, so all are counted)
-            "host_reads_per_step": (reads[0] + counter.ops["aten._local_scalar_dense"]) / n}
+            "host_reads_per_step": (reads[0] + counter.ops["aten._local_scalar_dense"]) / n,
+            # boolean-mask indexing and ops with value-dependent output sizes: on a GPU each one
+            # waits for the device too, and these run on activations, so none is a host tensor's
+            "mask_syncs_per_step": counter.mask_syncs / n}
 
 
 def main(argv=None) -> int:
@@ -83,6 +109,8 @@ def main(argv=None) -> int:
                          "nearly does where verify tokens are cheap (a GPU)")
     ap.add_argument("--tree-k", type=int, default=2)
     ap.add_argument("--branch-width", type=int, default=1)
+    ap.add_argument("--gpu-costs", action="store_true",
+                    help="plan with the GPU_COSTS step prices instead of the CPU's measured ones")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -101,6 +129,8 @@ def main(argv=None) -> int:
                 for rule in ("cpu", "cuda"):
                     hf_target._prefer_ragged_attention = lambda q, s, _t, rule=rule: real_rule(q, s, rule)
                     engine = make_engine(pair, mode, c, max_seq, 0, num_requests=len(prompts))
+                    if args.gpu_costs:
+                        engine.cost_model = GPU_COSTS
                     engine.run(requests()[:2])  # the cost profile and first allocations, uncounted
                     row[rule] = count(engine, requests())
                 rows.append(row)
@@ -108,7 +138,8 @@ def main(argv=None) -> int:
                 print(f"c={c:3d} {mode:9s} ops/step {a['ops_per_step']:7.0f} -> {b['ops_per_step']:7.0f} "
                       f"(kernel ops {a['compute_ops_per_step']:6.0f} -> {b['compute_ops_per_step']:6.0f}, "
                       f"attention calls {a['attention_calls_per_step']:5.1f} -> {b['attention_calls_per_step']:5.1f}, "
-                      f"host reads {a['host_reads_per_step']:5.1f} -> {b['host_reads_per_step']:5.1f})",
+                      f"host reads {a['host_reads_per_step']:5.1f} -> {b['host_reads_per_step']:5.1f}, "
+                      f"mask syncs {a['mask_syncs_per_step']:5.1f} -> {b['mask_syncs_per_step']:5.1f})",
                       flush=True)
     finally:
         hf_target._prefer_ragged_attention = real_rule

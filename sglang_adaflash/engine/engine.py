@@ -30,7 +30,7 @@ from ..planner.lengths import (
     plan_verify_lengths,
     survival_rate,
 )
-from ..target.hf_target import HFTarget, TargetBatch
+from ..target.hf_target import HFTarget, TargetBatch, pad_packed
 from .draft_choice import DraftChoice
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
@@ -310,17 +310,17 @@ class SpecEngine:
             waiting = set(lazy)
             eager = [j for j in range(len(joined)) if j not in waiting]
             if len(eager) == len(joined):
-                self.proposer.extend_context(self._pad_rows(aux, batch.q_lens), batch.starts, slots)
+                self.proposer.extend_context(pad_packed(aux, batch), batch.starts, slots)
             elif eager:
                 index = torch.tensor(eager, dtype=torch.long, device=self.device)
-                feats = self._pad_rows(aux, batch.q_lens)
+                feats = pad_packed(aux, batch)
                 self.proposer.extend_context(feats[index], batch.starts[index], [slots[j] for j in eager])
         if self.posterior is not None:
             self.posterior.reset(torch.tensor(slots, device=self.device), [s.req.domain for s in joined])
         for seq, tok in zip(joined, first.tolist()):
             seq.cache_len = len(seq.req.prompt_ids)
             self._append(seq, [tok])
-        self.stats.prefill_tokens += int(batch.q_lens.sum())
+        self.stats.prefill_tokens += sum(batch.q_lens_host)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _lazy_prompt(self, seq: _Seq, width: int) -> bool:
@@ -355,17 +355,6 @@ class SpecEngine:
         temp, top_k, top_p = self._sampling_tensors(seqs)
         return RowSampling(temp, top_k, top_p, [s.generator for s in seqs])
 
-    @staticmethod
-    def _pad_rows(flat: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """Packed rows [sum(lens), D] -> padded [n, max(lens), D]."""
-        n, width = lens.shape[0], int(lens.max())
-        if flat.shape[0] == n * width:  # no padding (e.g. a plain decode step): a view
-            return flat.view(n, width, flat.shape[-1])
-        valid = torch.arange(width, device=lens.device)[None] < lens[:, None]
-        out = flat.new_zeros(n, width, flat.shape[-1])
-        out[valid] = flat
-        return out
-
     # -- one speculative step ---------------------------------------------------------------
     @torch.inference_mode()
     def _decode_step(self) -> None:
@@ -376,17 +365,18 @@ class SpecEngine:
 
     def _verify_step(self, seqs: list[_Seq], spec: SpecBatch, t0: float, t1: float) -> None:
         """Verify the step's chains (t0: the step's start, t1: drafting's end), commit, account."""
-        rows = spec.draft_ids.tolist()
-        tokens = [[s.last_token] + rows[i][: n - 1] for i, (s, n) in enumerate(zip(seqs, spec.lengths.tolist()))]
-        batch = TargetBatch.from_lists(tokens, [s.cache_len for s in seqs], self.device)
+        # the proposals stay on the device: the verify is queued behind the drafter, not after a read
+        lens = spec.lengths.tolist()
+        batch = TargetBatch.from_device_ids([s.last_token for s in seqs], spec.draft_ids, lens,
+                                            [s.cache_len for s in seqs], self.device)
         logits, aux = self.target.forward(batch, self.cache)
-        result = self.sampler.verify(spec, self._pad_rows(logits, batch.q_lens))
+        result = self.sampler.verify(spec, pad_packed(logits, batch))
         committed = result.to_lists()
-        self._update_context(seqs, spec, aux, batch.q_lens, result)
+        self._update_context(seqs, spec, aux, batch, committed)
         self._commit(seqs, spec, committed, result)
         t2 = synced_time(self.device)
-        self.choice.charge_forced(spec, int(batch.q_lens.sum()) - len(seqs), verify_seconds=t2 - t1)
-        verified = int(batch.q_lens.sum())
+        verified = sum(lens)
+        self.choice.charge_forced(spec, verified - len(seqs), verify_seconds=t2 - t1)
         self.stats.steps += 1
         self.stats.batch_sizes.append(len(seqs))
         self.stats.verified_tokens += verified
@@ -523,15 +513,16 @@ class SpecEngine:
         for i in late:
             seqs[i].pending = 0
 
-    def _update_context(self, seqs, spec: SpecBatch, aux, q_lens, result: VerifyResult) -> None:
-        """Drafted rows extend the drafter's context now; the others queue it (see _catch_up)."""
+    def _update_context(self, seqs, spec: SpecBatch, aux, batch: TargetBatch, committed: list[list[int]]) -> None:
+        """Drafted rows extend the drafter's context now; the others queue it (see _catch_up).
+        committed: the verify's tokens per row, already on the host."""
         if self.proposer is None or aux is None:
             return
-        feats = self._pad_rows(aux, q_lens)  # [bs, max L, K*H]
+        feats = pad_packed(aux, batch)  # [bs, max L, K*H]
         if spec.drafted:  # a drafting cost: timed with the drafter's
             t0 = time.perf_counter()
             rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
-            width = int(result.num_accepted[rows].max()) + 1
+            width = max(len(committed[i]) for i in spec.drafted)
             starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
             self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
             spec.draft_seconds += synced_time(self.device) - t0

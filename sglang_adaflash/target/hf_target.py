@@ -28,7 +28,15 @@ class TargetError(ValueError):
 
 @dataclass
 class TargetBatch:
-    """One ragged forward. Requests are slots 0..bs-1 of the cache."""
+    """One ragged forward. Requests are slots 0..bs-1 of the cache.
+
+    Built by :meth:`from_lists` (or :meth:`from_device_ids`), it also carries its layout on the
+    host: the lengths and starts as lists, and where each packed token sits in the padded
+    [bs, Q] layout as an index. The forward plans from those, so on an accelerator it reads
+    nothing back from the device and needs no boolean-mask indexing, each of which is a
+    synchronisation there (a mask's nonzero count sizes its result); the host values reach the
+    device in one copy.
+    """
 
     # [bs, Q] token ids, padded past each request's q_len
     input_ids: torch.Tensor
@@ -38,21 +46,61 @@ class TargetBatch:
     q_lens: torch.Tensor
     # cache slot of request 0 (requests use consecutive slots)
     slot_offset: int = 0
+    # host copies of q_lens and starts; read back from the device when not given
+    q_lens_host: list[int] | None = None
+    starts_host: list[int] | None = None
+    # [T] long: packed token t sits at row-major position packed_index[t] of [bs, Q]; None when
+    # not given (derived from q_lens) or when no request is padded
+    packed_index: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
         cls, tokens: list[list[int]], starts: list[int], device="cpu", slot_offset: int = 0
     ) -> TargetBatch:
-        q = max(len(t) for t in tokens)
-        ids = torch.zeros(len(tokens), q, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        return cls(
-            input_ids=ids.to(device),
-            starts=torch.tensor(starts, dtype=torch.long, device=device),
-            q_lens=torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device),
-            slot_offset=slot_offset,
-        )
+        q_lens = [len(t) for t in tokens]
+        q = max(q_lens)
+        ids = [tok for t in tokens for tok in (*t, *([0] * (q - len(t))))]
+        return cls._from_host(ids, None, starts, q_lens, device, slot_offset)
+
+    @classmethod
+    def from_device_ids(
+        cls, first: list[int], rest: torch.Tensor, q_lens: list[int], starts: list[int], device, slot_offset: int = 0
+    ) -> TargetBatch:
+        """Row i verifies first[i] then rest[i, : q_lens[i] - 1]: rest [bs, >= max(q_lens) - 1] stays
+        on the device (a speculative step's proposals need not visit the host before the verify)."""
+        return cls._from_host(first, rest[:, : max(q_lens) - 1], starts, q_lens, device, slot_offset)
+
+    @classmethod
+    def _from_host(cls, ids: list[int], rest, starts: list[int], q_lens: list[int], device, slot_offset: int):
+        bs, q = len(q_lens), max(q_lens)
+        padded = min(q_lens) != q
+        index = [i * q + j for i, n in enumerate(q_lens) for j in range(n)] if padded else []
+        host = torch.tensor([*ids, *starts, *q_lens, *index], dtype=torch.long)
+        on_device = torch.device(device).type != "cpu"
+        if on_device:  # one copy from pinned memory, queued without waiting for the device
+            host = host.pin_memory().to(device, non_blocking=True)
+        n_ids = len(ids)
+        head, starts_t, lens_t, index_t = host.split([n_ids, bs, bs, len(index)])
+        input_ids = head.view(bs, -1)
+        if rest is not None:
+            input_ids = torch.cat([input_ids, rest.to(input_ids.device, torch.long)], dim=1)
+        return cls(input_ids=input_ids, starts=starts_t, q_lens=lens_t, slot_offset=slot_offset,
+                   q_lens_host=list(q_lens), starts_host=list(starts), packed_index=index_t if padded else None)
+
+    def host_layout(self) -> tuple[list[int], list[int]]:
+        """(q_lens, starts) as lists: the host copies, else one read back from the device."""
+        q_lens = self.q_lens_host if self.q_lens_host is not None else self.q_lens.tolist()
+        starts = self.starts_host if self.starts_host is not None else self.starts.tolist()
+        return q_lens, starts
+
+    def packed_rows(self) -> torch.Tensor | None:
+        """[T] row-major positions in [bs, Q] of the packed tokens; None when nobody is padded."""
+        if self.packed_index is not None:
+            return self.packed_index
+        q_lens, _ = self.host_layout()
+        if min(q_lens) == max(q_lens):
+            return None
+        return self.valid.reshape(-1).nonzero().flatten()
 
     @property
     def positions(self) -> torch.Tensor:  # [bs, Q]
@@ -63,6 +111,17 @@ class TargetBatch:
     def valid(self) -> torch.Tensor:  # [bs, Q] bool
         q = self.input_ids.shape[1]
         return torch.arange(q, device=self.q_lens.device)[None] < self.q_lens[:, None]
+
+
+def pad_packed(flat: torch.Tensor, batch: TargetBatch) -> torch.Tensor:
+    """Packed rows [T, D] of a batch -> padded [bs, Q, D] (zeros past each q_len)."""
+    bs, q = batch.input_ids.shape
+    index = batch.packed_rows()
+    if index is None:  # no padding (e.g. a plain decode step): a view
+        return flat.view(bs, q, flat.shape[-1])
+    out = flat.new_zeros(bs * q, flat.shape[-1])
+    out.index_copy_(0, index, flat)
+    return out.view(bs, q, flat.shape[-1])
 
 
 class HFTarget:
@@ -151,13 +210,14 @@ class HFTarget:
         Rows are packed request by request in order. Writes each token's K/V into the cache at its
         position; the caller commits by setting cache lengths afterwards.
         """
-        q_lens, starts = batch.q_lens.tolist(), batch.starts.tolist()  # one host sync
-        valid, positions = batch.valid, batch.positions
-        uniform = min(q_lens) == max(q_lens)  # no padded query: views suffice
-        flat_pos = positions.reshape(-1) if uniform else positions[valid]  # [T]
-        slots = batch.slot_offset + torch.arange(len(q_lens), device=valid.device)[:, None].expand_as(valid)
-        flat_slots = slots.reshape(-1) if uniform else slots[valid]  # [T]
-        x = self.embed_tokens(batch.input_ids.reshape(-1) if uniform else batch.input_ids[valid])  # [T, H]
+        q_lens, starts = batch.host_layout()
+        positions = batch.positions
+        packed = batch.packed_rows()  # None: no padded query, views suffice
+        slots = batch.slot_offset + torch.arange(len(q_lens), device=positions.device)[:, None].expand_as(positions)
+        flat_pos, flat_slots, flat_ids = positions.reshape(-1), slots.reshape(-1), batch.input_ids.reshape(-1)
+        if packed is not None:
+            flat_pos, flat_slots, flat_ids = flat_pos[packed], flat_slots[packed], flat_ids[packed]  # [T]
+        x = self.embed_tokens(flat_ids)  # [T, H]
         cos, sin = self.backbone.rotary_emb(x[None], flat_pos[None])  # [1, T, hd]
         kv_len = max(st + n for st, n in zip(starts, q_lens))
         ragged, mask, singles = None, None, None
@@ -172,17 +232,18 @@ class HFTarget:
             if sum(n == 1 for n in q_lens) > 1:
                 # rows verifying one token (undrafted requests beside drafted ones) share one
                 # single-query call over the batch's cache views, as in a plain decode step
-                first = torch.tensor(offsets, device=x.device)
+                one = [i for i, n in enumerate(q_lens) if n == 1]
+                index = torch.tensor([*offsets, *one, *(offsets[i] for i in one)], device=x.device)
+                first, one_rows, single_rows = index.split([len(offsets), len(one), len(one)])
                 key_pos = torch.arange(kv_len, device=x.device)
                 mask1 = (key_pos[None, :] <= batch.starts[:, None])[:, None, None]  # [bs, 1, 1, S]
-                one = torch.tensor([n == 1 for n in q_lens], device=x.device)
-                singles = (first, mask1, one, first[one])
+                singles = (first, mask1, one_rows, single_rows)
                 ragged = [r for r in ragged if r[2] > 1]
         else:
             # key position <= query position; padded queries see key 0 at least (output dropped)
             key_pos = torch.arange(kv_len, device=x.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [bs, 1, Q, S]
-        ctx = _Step(batch, None if uniform else valid, flat_slots, flat_pos, cache, kv_len, mask,
+        ctx = _Step(batch, packed, flat_slots, flat_pos, cache, kv_len, mask,
                     cos[0, :, None], sin[0, :, None], ragged, singles)
         captured = {}
         capture = set(self.capture_layer_ids)
@@ -215,16 +276,14 @@ class HFTarget:
         if ctx.ragged is not None:
             return attn.o_proj(self._ragged_attention(idx, q, ctx, scale))
         bs, qmax = ctx.batch.input_ids.shape
-        if ctx.valid is None:
+        if ctx.packed is None:
             q_pad = q.view(bs, qmax, -1, hd)
         else:
-            q_pad = q.new_zeros(bs, qmax, q.shape[1], hd)
-            q_pad[ctx.valid] = q
+            q_pad = q.new_zeros(bs * qmax, q.shape[1], hd).index_copy_(0, ctx.packed, q).view(bs, qmax, -1, hd)
         ck, cv = ctx.cache.view(idx, bs, ctx.kv_len, offset=ctx.batch.slot_offset)
         out = attention(q_pad.transpose(1, 2), ck, cv, ctx.mask, scale=scale)
-        out = out.transpose(1, 2)
-        out = out.reshape(t, -1) if ctx.valid is None else out[ctx.valid].reshape(t, -1)  # [T, nh*hd]
-        return attn.o_proj(out)
+        out = out.transpose(1, 2).reshape(bs * qmax, -1)
+        return attn.o_proj(out if ctx.packed is None else out[ctx.packed])  # [T, nh*hd]
 
     @staticmethod
     def _ragged_attention(idx: int, q: torch.Tensor, ctx: _Step, scale) -> torch.Tensor:
@@ -238,11 +297,11 @@ class HFTarget:
                 outs.append(attention(qi, ki, vi, mask, scale=scale)[0].transpose(0, 1).reshape(n, -1))
             return torch.cat(outs)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        first, mask1, one, single_rows = ctx.singles
+        first, mask1, one_rows, single_rows = ctx.singles
         ck, cv = ctx.cache.view(idx, first.shape[0], ctx.kv_len, offset=ctx.batch.slot_offset)
         # every row's first query (a multi-token row's is recomputed below and overwritten)
         o = attention(q[first][:, :, None], ck, cv, mask1, scale=scale)  # [bs, nh, 1, hd]
-        out[single_rows] = o[one].flatten(1)
+        out[single_rows] = o[one_rows].flatten(1)
         for slot, off, n, kv_len, mask in ctx.ragged:
             qi = q[off : off + n].transpose(0, 1)[None]  # [1, nh, n, hd]
             ki, vi = k_all[slot : slot + 1, :, :kv_len], v_all[slot : slot + 1, :, :kv_len]
@@ -292,7 +351,7 @@ class _Step:
     """Per-forward values every layer's attention needs."""
 
     batch: TargetBatch
-    valid: torch.Tensor | None  # [bs, Q] bool, None when no request is padded
+    packed: torch.Tensor | None  # [T] positions in [bs * Q] of the packed tokens, None when none is padded
     slots: torch.Tensor  # [T] cache slot of each packed token
     positions: torch.Tensor  # [T]
     cache: SlotKVCache
@@ -302,6 +361,6 @@ class _Step:
     sin: torch.Tensor
     # per request (slot, first packed row, q_len, kv_len, mask) when q_lens differ, else None
     ragged: list | None = None
-    # (first packed row of every request, its [bs, 1, 1, S] mask, which rows have q_len 1, their
-    # packed rows) when single-token rows share one call on the ragged path, else None
+    # (first packed row of every request, its [bs, 1, 1, S] mask, the requests with q_len 1,
+    # their packed rows) when single-token rows share one call on the ragged path, else None
     singles: tuple | None = None

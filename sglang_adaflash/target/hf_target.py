@@ -76,9 +76,11 @@ class TargetBatch:
         padded = min(q_lens) != q
         index = [i * q + j for i, n in enumerate(q_lens) for j in range(n)] if padded else []
         host = torch.tensor([*ids, *starts, *q_lens, *index], dtype=torch.long)
-        on_device = torch.device(device).type != "cpu"
-        if on_device:  # one copy from pinned memory, queued without waiting for the device
+        kind = torch.device(device).type
+        if kind == "cuda":  # one copy from pinned memory, queued without waiting for the device
             host = host.pin_memory().to(device, non_blocking=True)
+        elif kind != "cpu":
+            host = host.to(device)
         n_ids = len(ids)
         head, starts_t, lens_t, index_t = host.split([n_ids, bs, bs, len(index)])
         input_ids = head.view(bs, -1)

@@ -38,8 +38,9 @@ class VerifyResult:
     num_accepted: torch.Tensor
 
     def to_lists(self) -> list[list[int]]:
-        rows = self.tokens.tolist()  # one device->host sync
-        return [row[: n + 1] for row, n in zip(rows, self.num_accepted.tolist())]
+        # one device->host read: the counts ride in a last column (row[: n + 1] never reaches it)
+        rows = torch.cat([self.tokens, self.num_accepted[:, None].to(self.tokens.dtype)], 1).tolist()
+        return [row[: row[-1] + 1] for row in rows]
 
 
 def _first_rejection(accept: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:

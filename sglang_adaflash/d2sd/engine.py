@@ -257,7 +257,7 @@ class D2SDEngine(SpecEngine):
             owners = [seqs[rows[j]] for j in hot for _ in range(logits.shape[1])]
             chain[hot] = self._sample(q[hot].flatten(0, 1), owners).view(len(hot), -1)
         top1 = q.max(-1).values  # distribution-only inputs to the plan (see tree_verify)
-        caps = torch.tensor([cap[i] for i in rows], device=self.device)
+        caps = torch.tensor([cap[i] for i in rows])  # host: the plan is solved there (plan_tree)
         conf = self._calibrated(top1)
         auto = self.branch_drafter == "auto"
         plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
@@ -273,9 +273,9 @@ class D2SDEngine(SpecEngine):
             self._last_value[self._source] = plan.value
         self.tree_stats["planned_steps"] += 1  # steps that drafted anyone (the others verify bonus tokens only)
         self.tree_stats["first_drafter_steps"] += self._source == "first"
+        # the plan is on the host already: the chain's ids are this block's one read
         chain_l, slots_l, lens_l = chain.tolist(), plan.slots.tolist(), plan.lengths.tolist()
-        extra_l = plan.extra.tolist()
-        chain_len = plan.chain.tolist()
+        extra_l, chain_len = plan.extra.tolist(), plan.chain.tolist()
         self._raw_conf = {i: top1[j, : chain_len[j] - 1] for j, i in enumerate(rows)}
         hot_set = set(hot)
         pending = [(j, r, ln, w) for j in range(len(rows)) for r, ln, w in zip(slots_l[j], lens_l[j], extra_l[j]) if ln >= 1]

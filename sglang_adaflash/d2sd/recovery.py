@@ -114,6 +114,9 @@ def plan_tree(
     the returned plan's `source` says which source won. Without it, the recovery drafter's tree
     is weighed against no branch at all (its fixed cost is shared).
 
+    The plan comes back on the host (the engine reads it as lists to build the trees): the
+    load-aware plan is solved there, and the fixed one is read back in one copy.
+
     cost None: the fixed rule, chains of length cap and every candidate with f > 0 branching
     as long as fits, with every alternative. Otherwise the plan maximising expected tokens per
     second; trim_chain lets it shorten the chains too, slot k kept while its survival
@@ -121,11 +124,11 @@ def plan_tree(
     """
     cap = cap.long()
     if cost is None:
-        slots, f = candidates(conf, cap, k)
-        longest = torch.where(f > 0, (cap[:, None] - slots).clamp(min=0, max=branch_len), 0)
-        return BranchPlan(slots, longest, float("nan"), cap, torch.where(longest > 0, len(alts), 0))
+        slots, f = candidates(conf, cap.to(conf.device), k)
+        longest = torch.where(f > 0, (cap.to(conf.device)[:, None] - slots).clamp(min=0, max=branch_len), 0)
+        slots, longest = torch.cat([slots, longest], 1).cpu().split([slots.shape[1]] * 2, dim=1)  # one read
+        return BranchPlan(slots, longest, float("nan"), cap.cpu(), torch.where(longest > 0, len(alts), 0))
     # a few dozen numbers per row: numpy on the host is several times faster than torch here
-    dev = conf.device
     c = conf.detach().double().cpu().numpy()
     capn = cap.cpu().numpy()
     n, s = c.shape
@@ -197,7 +200,7 @@ def plan_tree(
     slots, choice, value, chain, extra = best
 
     def t(x):
-        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long, device=dev)
+        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long)
 
     return BranchPlan(t(slots), t(choice), value, t(chain), t(extra), won)
 

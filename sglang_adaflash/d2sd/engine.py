@@ -105,8 +105,7 @@ class D2SDEngine(SpecEngine):
                          max_seq_len=max_seq_len, **kw)
         self.mode = "d2sd"
         if draft_off:  # SpecEngine built its choice for mode dflash, which never leaves a row out
-            self.posterior = SurvivalPosterior(max_batch_size, device=self.device)
-            self.choice.posterior = self.posterior
+            self.posterior = SurvivalPosterior(max_batch_size, device=self.device)  # the choice's, too
             self._draft_off = True
         self.tree_attention = cascade.select(tree_attention, self.device, target.dtype, target.head_dim)
         self._cascade = cascade.make(self.tree_attention, self.device)

@@ -175,10 +175,10 @@ class SpecEngine:
         # engines may share one target (a benchmark's modes side by side): each sets what it needs
         self._capture = list(target.capture_layer_ids)
         adaptive = mode == "adaflash" and length_rule == "load_aware"
-        self.posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
-        self._draft_off = adaptive and draft_off and self.posterior is not None
+        posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
+        self._draft_off = adaptive and draft_off and posterior is not None
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
-        self.choice = DraftChoice(self.posterior, self.block_size, self._min_len, self.device,
+        self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
         self._pending: torch.Tensor | None = None  # [slots, choice.max_pending, K*H] (see _catch_up)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
@@ -259,6 +259,21 @@ class SpecEngine:
         if self.running:  # running requests never wait for a prefill to finish a whole step
             self._decode_step()
         return finished + self._retire()
+
+    @property
+    def posterior(self) -> SurvivalPosterior | None:
+        """The calibration state (per-slot and per-domain acceptance evidence), or None.
+
+        The draft-or-not choice holds the one reference, and this reads and replaces it there: a
+        second reference on the engine went stale when a caller swapped in a fresh posterior
+        (benchmarks/adaptive/run.py resets it before every timed run), and the choice then drafted
+        from evidence frozen at the swap while the verifier's evidence went elsewhere.
+        """
+        return self.choice.posterior
+
+    @posterior.setter
+    def posterior(self, posterior: SurvivalPosterior | None) -> None:
+        self.choice.posterior = posterior
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""

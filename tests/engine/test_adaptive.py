@@ -197,6 +197,25 @@ def test_failing_drafts_are_switched_off_losslessly(target, drafter):
     assert all(all(o.stats.drafted[:-1]) for o in always)  # the last token cannot be drafted
 
 
+def test_a_fresh_posterior_is_the_one_the_draft_choice_reads(target, drafter):
+    """Resetting calibration by assigning a fresh posterior (benchmarks/adaptive/run.py does it
+    before every timed run) must reach the draft-or-not choice: drafts that failed before the
+    reset and succeed after it are drafted again, from the new evidence alone. With the choice
+    holding a reference of its own, it kept deciding from the frozen "failing" evidence."""
+    prompts = _prompts(3, seed=21)
+    ar = _ar(target, prompts, 40)
+    eng = _engine(target, drafter, proposer=OracleProposer(target, drafter, error_rate=1.0),
+                  probe_every=4, probe_share=1.0)
+    first = eng.run([Request(p, SamplingParams(max_new_tokens=40), domain="d") for p in prompts])
+    assert sum(d for o in first for d in o.stats.drafted) < 0.4 * sum(len(o.stats.drafted) for o in first)
+    eng.posterior = SurvivalPosterior(eng.max_batch_size)
+    eng.proposer = OracleProposer(target, drafter, error_rate=0.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=40), domain="d") for p in prompts])
+    assert [o.output_ids for o in outs] == ar
+    drafted = [d for o in outs for d in o.stats.drafted]
+    assert sum(drafted) > 0.7 * len(drafted), f"drafted {sum(drafted)} of {len(drafted)} steps"
+
+
 @pytest.mark.parametrize("backoff", [True, False])
 def test_probes_that_accept_nothing_back_off(target, drafter, backoff, monkeypatch):
     """A request whose reads accept nothing waits 8, then 16 steps (probe_every 4: the gap

@@ -54,7 +54,8 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(
-        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None, slots: list[int] | None = None
+        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None, slots: list[int] | None = None,
+        read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One drafter forward for the requests in cache slots `slots` (default 0..bs-1).
 
@@ -63,7 +64,11 @@ class DFlashProposer:
         only some of the running requests reads their context by a gather; consecutive
         slots (the whole running batch) read it as a view.
         Returns the block states [bs, B, H] (final normed); proposal_logits turns the slots that
-        will be verified into logits.
+        will be verified into logits. With read [bs, R] (block slots) it returns only those
+        states, [bs, R, H]: the last layer's queries and MLP then run on those slots alone, and
+        the states are exactly the full block's at them (every slot's K/V is still computed).
+        What skips the rest pays when few slots are verified: a 16-slot block's query side is
+        most of the drafter's arithmetic, which on a CPU is most of its time.
         """
         bs, b = last_tokens.shape[0], self.block_size
         block_ids = torch.full((bs, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
@@ -81,7 +86,7 @@ class DFlashProposer:
         else:
             index = torch.tensor(slots, dtype=torch.long, device=last_tokens.device)
             ctx_kv = [self.cache.gather(layer, index, c) for layer in layers]
-        return self.drafter(embeds, positions, ctx_kv, mask)
+        return self.drafter(embeds, positions, ctx_kv, mask, read)
 
     @torch.inference_mode()
     def proposal_logits(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""DFlashProposer.propose with `read`: the block states of the slots read, and only those, equal
+the whole block's at those slots (the drafter's `read` path, through the real context cache)."""
+
+import pytest
+import torch
+
+from sglang_adaflash.engine.engine import SpecEngine
+
+
+@pytest.mark.parametrize("slots", [None, [0, 2]])  # the whole batch (a cache view), some rows (a gather)
+def test_propose_reads_the_whole_blocks_states_at_the_slots_read(target, drafter, slots):
+    prop = SpecEngine(target, drafter, mode="dflash", max_batch_size=3, max_seq_len=64).proposer
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 9, drafter.fc.in_features, generator=g, dtype=drafter.fc.weight.dtype)
+    prop.extend_context(feats, torch.zeros(3, dtype=torch.long), [0, 1, 2])
+    rows = slots or [0, 1, 2]
+    last = torch.tensor([11, 12, 13])[rows]
+    ctx = torch.tensor([5, 9, 7])[rows]  # each row sees its own committed context
+    full = prop.propose(last, ctx, slots=slots)  # [n, B, H]
+    read = torch.tensor([[1, 2], [3, 1], [5, 6]])[: len(rows)]
+    part = prop.propose(last, ctx, slots=slots, read=read)
+    assert part.shape == (len(rows), 2, full.shape[-1])
+    want = full.gather(1, read[..., None].expand(-1, -1, full.shape[-1]))
+    torch.testing.assert_close(part, want, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(part[0, 1], full[0, 1])  # slot 2, not slot 1: the slots differ

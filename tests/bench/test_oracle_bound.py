@@ -1,0 +1,56 @@
+"""benchmarks/adaptive/bound.py's oracle: lossless, and right about every draft it verifies.
+
+The oracle's figures are a ceiling only if its table of accepted proposals is exact: it then
+verifies no proposal that is rejected. A table read one position late must show as misses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
+from sglang_adaflash.core.sampling import SamplingParams
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.launch.loading import load_pair
+from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
+
+BOUND = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive" / "bound.py"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    spec = importlib.util.spec_from_file_location("adaptive_bound", BOUND)
+    bound = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bound)
+    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
+    prompts = [resolve_prompt_ids(p, pair.tokenizer) for p in read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:3]]
+
+    def requests():
+        return [Request(list(p), SamplingParams(max_new_tokens=24), f"r{i}") for i, p in enumerate(prompts)]
+
+    ar = SpecEngine(pair.target, None, mode="ar", max_batch_size=3, max_seq_len=400)
+    reference = {o.request_id: o.output_ids for o in ar.run(requests())}
+    return bound, pair, requests, reference
+
+
+@pytest.mark.parametrize("late", [0, 1])  # 1: the control, each table read one position late
+def test_the_oracle_is_lossless_and_verifies_only_what_is_accepted(setup, late):
+    bound, pair, requests, reference = setup
+    block = pair.drafter.config.block_size
+    tables = {r.request_id: bound.foresee(pair, r.prompt_ids, reference[r.request_id], block_size=block)
+              for r in requests()}
+    tables = {k: v[late:] + [0] * late for k, v in tables.items()}
+    eng = bound.OracleEngine(pair.target, pair.drafter, max_batch_size=3, max_seq_len=400, seed=0,
+                             accepted=tables, a_min=1)
+    outs = eng.run(requests())
+    assert {o.request_id: o.output_ids for o in outs} == reference  # lossless whatever it foresees
+    accepted = sum(o.stats.committed_tokens - o.stats.steps for o in outs)
+    drafted = sum(1 for o in outs for v in o.stats.verify_lens if v > 1)
+    if late:
+        assert accepted < eng.foreseen, "a table one position late must foresee accepts that do not happen"
+    else:
+        assert drafted > 3 and accepted == eng.foreseen  # it drafted, and every proposal it verified held

@@ -38,10 +38,8 @@ import torch
 
 from sglang_adaflash.assets import MODELS_DIR
 from sglang_adaflash.bench.runner import recorded_path
-from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import EngineStats, SpecBatch, SpecEngine
 from sglang_adaflash.engine.proposer import DFlashProposer
-from sglang_adaflash.engine.request import Request
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
 from sglang_adaflash.launch.loading import load_pair
@@ -49,7 +47,7 @@ from sglang_adaflash.launch.prompts import resolve_prompt_ids
 from sglang_adaflash.target.hf_target import TargetBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import workloads  # noqa: E402  (the same held-out workloads as run.py)
+from run import cell_requests, workloads  # noqa: E402  (run.py's workloads and requests)
 
 
 @torch.inference_mode()
@@ -150,9 +148,7 @@ def main(argv=None) -> int:
             n = max(args.waves * c, len(prompts))
 
             def requests(prompts=prompts, n=n):
-                return [Request(list(prompts[i % len(prompts)][0]),
-                                SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop),
-                                f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
+                return cell_requests(prompts, n, args.max_new_tokens, stop)
 
             ar = make_engine(pair, "ar", c, max_seq, 0, num_requests=n)
             reference = {o.request_id: o.output_ids for o in ar.run(requests())}  # also ar's warm-up

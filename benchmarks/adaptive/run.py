@@ -50,6 +50,13 @@ def workloads(per_domain: int) -> dict[str, list]:
     return {"in_domain": in_domain, "math": math, "mixed": mixed}
 
 
+def cell_requests(prompts, n: int, max_new_tokens: int, stop) -> list[Request]:
+    """A cell's n requests: the (prompt ids, domain) pairs cycled in order, ids r0..r{n-1}."""
+    return [Request(list(prompts[i % len(prompts)][0]),
+                    SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop),
+                    f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
+
+
 def calibration(outs, block: int) -> dict:
     """|predicted - actual tau/B| after each request's first WARM_STEPS steps: per step (all, and
     drafted steps only, with the floor a calibrated prediction would show on those), and per
@@ -125,9 +132,7 @@ def main(argv=None) -> int:
             n = max(args.waves * c, len(prompts))
 
             def requests(prompts=prompts, n=n):
-                return [Request(list(prompts[i % len(prompts)][0]),
-                                SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop),
-                                f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
+                return cell_requests(prompts, n, args.max_new_tokens, stop)
 
             engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
 

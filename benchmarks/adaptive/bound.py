@@ -27,6 +27,7 @@ is checked token for token against `ar`'s.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -46,8 +47,18 @@ from sglang_adaflash.launch.loading import load_pair
 from sglang_adaflash.launch.prompts import resolve_prompt_ids
 from sglang_adaflash.target.hf_target import TargetBatch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import cell_requests, workloads  # noqa: E402  (run.py's workloads and requests)
+
+def _load_run_py():
+    """run.py beside this file, by path and under its own name (a bare `import run` would take
+    whichever `run` module a process loaded first)."""
+    spec = importlib.util.spec_from_file_location("adaptive_run", Path(__file__).resolve().with_name("run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_RUN = _load_run_py()
+cell_requests, workloads = _RUN.cell_requests, _RUN.workloads  # the same workloads and requests
 
 
 @torch.inference_mode()

@@ -273,6 +273,9 @@ class SpecEngine:
 
     @posterior.setter
     def posterior(self, posterior: SurvivalPosterior | None) -> None:
+        if posterior is None and self._draft_off:
+            raise ValueError("this engine decides whom to draft from a posterior (draft-off): assign a fresh "
+                             "SurvivalPosterior to reset calibration, not None")
         self.choice.posterior = posterior
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:

@@ -216,6 +216,13 @@ def test_a_fresh_posterior_is_the_one_the_draft_choice_reads(target, drafter):
     assert sum(drafted) > 0.7 * len(drafted), f"drafted {sum(drafted)} of {len(drafted)} steps"
 
 
+def test_a_draft_off_engine_refuses_to_lose_its_posterior(target, drafter):
+    eng = _engine(target, drafter)
+    with pytest.raises(ValueError, match="fresh SurvivalPosterior"):
+        eng.posterior = None
+    assert eng.choice.posterior is not None
+
+
 @pytest.mark.parametrize("backoff", [True, False])
 def test_probes_that_accept_nothing_back_off(target, drafter, backoff, monkeypatch):
     """A request whose reads accept nothing waits 8, then 16 steps (probe_every 4: the gap

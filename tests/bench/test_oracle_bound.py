@@ -1,7 +1,9 @@
 """benchmarks/adaptive/bound.py's oracle: lossless, and right about every draft it verifies.
 
-The oracle's figures are a ceiling only if its table of accepted proposals is exact: it then
-verifies no proposal that is rejected. A table read one position late must show as misses.
+The oracle's figures are a ceiling only if its table of accepted proposals is exact. Too high,
+and it verifies proposals that are rejected; too low, and it leaves accepted tokens on the
+table, which lowers the ceiling. The table is checked against the real engine's own accepts
+(mode dflash, every step, one request at a time), and a table read one position late must show.
 """
 
 from __future__ import annotations
@@ -54,3 +56,23 @@ def test_the_oracle_is_lossless_and_verifies_only_what_is_accepted(setup, late):
         assert accepted < eng.foreseen, "a table one position late must foresee accepts that do not happen"
     else:
         assert drafted > 3 and accepted == eng.foreseen  # it drafted, and every proposal it verified held
+
+
+def test_the_table_equals_what_the_engine_accepts_at_every_step(setup):
+    """Mode dflash drafts the whole block at every step; each step's accepted proposals must be
+    the table's entry at that step's committed length, capped by the tokens still to generate."""
+    bound, pair, requests, reference = setup
+    block = pair.drafter.config.block_size
+    eng = SpecEngine(pair.target, pair.drafter, mode="dflash", max_batch_size=1, max_seq_len=400)
+    checked = 0
+    for r in requests():
+        table = bound.foresee(pair, r.prompt_ids, reference[r.request_id], block_size=block)
+        out = eng.run([r])[0]
+        assert out.output_ids == reference[r.request_id]
+        m = 1  # prefill commits the first token
+        for tau in out.stats.accept_lens:
+            cap = min(block, r.sampling.max_new_tokens - m)
+            assert tau - 1 == min(table[m], cap - 1), (r.request_id, m)
+            m += tau
+            checked += 1
+    assert checked > 20

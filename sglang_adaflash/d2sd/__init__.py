@@ -6,4 +6,4 @@ and the branch plan live in their own modules; D2SDEngine puts them in SpecEngin
 """
 
 TREE_RULES = ("load_aware", "fixed")
-BRANCH_DRAFTERS = ("recovery", "first", "auto")
+BRANCH_DRAFTERS = ("recovery", "first", "auto", "joint")

@@ -60,7 +60,10 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
                         "drafter's next-ranked tokens at each recovery point, one node per branch, no second "
                         "drafter and no --recovery-drafter needed (the one-drafter token tree baseline); `auto`: "
                         "each step the load-aware rule prices both and takes the better tree (needs "
-                        "--recovery-drafter and --tree-rule load_aware)")
+                        "--recovery-drafter and --tree-rule load_aware); `joint`: both drafters in one stacked "
+                        "forward over the chain's block, the recovery drafter's branch at slot 1 and the first "
+                        "drafter's ranks at the other recovery points (needs --recovery-drafter of the first "
+                        "drafter's shape)")
     g.add_argument("--tree-attention", choices=TREE_ATTENTION, default=D2SDOptions.tree_attention,
                    help="how the target attends over a tree: cascade attention through FlashInfer (CUDA, float16/"
                         "bfloat16), `torch` (the same two levels in torch), or one `masked` call; auto (default) "
@@ -114,6 +117,13 @@ def attach_recovery(pair, options: D2SDOptions | None) -> None:
         raise CLIError(" ".join(str(e).split())) from None
     except (OSError, RuntimeError, ValueError) as e:
         raise CLIError(f"recovery drafter {options.recovery_drafter} cannot be loaded: {' '.join(str(e).split())}") from None
+    if options.branch_drafter == "joint":
+        from .joint import incompatibility
+
+        why = incompatibility(pair.drafter, pair.recovery)
+        if why is not None:
+            raise CLIError(f"--branch-drafter joint runs both drafters as one stacked forward, but {why}; "
+                           "use --branch-drafter recovery or auto with this recovery drafter")
     pair.d2sd = options
 
 

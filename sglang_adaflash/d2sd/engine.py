@@ -26,7 +26,7 @@ from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecBatch, SpecEngine, _Seq
 from ..planner.calibration import SurvivalPosterior
 from ..target.hf_target import HFTarget
-from . import BRANCH_DRAFTERS, TREE_RULES, cascade
+from . import BRANCH_DRAFTERS, TREE_RULES, cascade, joint
 from .recovery import TreeCost, plan_tree
 from .recovery_drafter import TreeProposer
 from .tree import Branch, TreeRow, build_row, flatten
@@ -94,11 +94,14 @@ class D2SDEngine(SpecEngine):
             raise ValueError("draft_off needs tree_rule 'load_aware': the fixed rule does not price drafting")
         if branch_drafter == "first":
             recovery = None  # neither run nor given a context
+        if branch_drafter == "joint" and (why := joint.incompatibility(drafter, recovery)) is not None:
+            raise ValueError(f"branch_drafter 'joint' runs both drafters as one stacked forward, but {why}")
         for d in (drafter, recovery):
             if d is not None:
                 d.share_target_modules(target.embed_tokens, target.lm_head)
         capacity = max_seq_len + drafter.config.block_size + 1
-        proposer = TreeProposer(drafter, recovery, num_slots=max_batch_size, capacity=capacity)
+        proposer = TreeProposer(drafter, recovery, num_slots=max_batch_size, capacity=capacity,
+                                joint=branch_drafter == "joint")
         proposer.target_layer_ids = list(drafter.config.target_layer_ids)
         kw.pop("mode", None)
         super().__init__(target, drafter, mode="dflash", proposer=proposer, max_batch_size=max_batch_size,
@@ -119,14 +122,18 @@ class D2SDEngine(SpecEngine):
         self._beta_obs = [0.0, 0.0]  # continuation slots accepted, tried (decayed)
         # per alternative rank at a branch's slot: accepted, tried after a chain rejection (decayed)
         self._alt_obs = [[0.0, 0.0] for _ in range(branch_width)]
-        # the same for the first drafter's next-ranked tokens, when "auto" may use them instead
+        # the same for the first drafter's next-ranked tokens, when "auto" or "joint" use them
         self._first_obs = [[0.0, 0.0] for _ in range(branch_width)]
-        self._source = "first" if branch_drafter == "first" else "recovery"  # the last step's branches
+        # and for the recovery drafter's at slot 1 under "joint" (its block there has no known
+        # chain token, unlike the sequential recovery forward's deeper ones: measured apart)
+        self._joint_obs = [[0.0, 0.0] for _ in range(branch_width)]
+        self._joint_logits_now: torch.Tensor | None = None  # this step's recovery logits at slots 1..L
+        self._source = branch_drafter if branch_drafter in ("first", "joint") else "recovery"  # the last step's
         self.alt_prior = alt_prior
         self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
         self._raw_conf: dict[int, torch.Tensor] = {}
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
-        self._last_value = {"recovery": 0.0, "first": 0.0}  # each source's last plan value: its next first price
+        self._last_value = {"recovery": 0.0, "first": 0.0, "joint": 0.0}  # each source's last plan value: its next first price
         self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0,
                            "planned_steps": 0, "first_drafter_steps": 0, "plain_steps": 0,
                            "idle_rows": 0}
@@ -138,6 +145,17 @@ class D2SDEngine(SpecEngine):
         ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
         hidden = self.proposer.propose(last, ctx, None, slots=rows)
         return self.drafter.logits(hidden[:, 1:])
+
+    def _joint_logits(self, seqs: list[_Seq], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both drafters in one stacked forward (joint.py): the chain's logits [n, B-1, V] and the
+        recovery drafter's at block slots 1..L [n, L, V] (L = the longest slot-1 branch), from
+        one LM-head call."""
+        last = torch.tensor([seqs[i].last_token for i in rows], device=self.device)
+        ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
+        first, rec = self.proposer.propose_joint(last, ctx, rows)
+        span = min(self.branch_len, self.block_size - 1)
+        logits = self.drafter.logits(torch.cat([first[:, 1:], rec[:, 1 : 1 + span]], 1))
+        return logits[:, : self.block_size - 1], logits[:, self.block_size - 1 :]
 
     def _branch_logits(self, seqs: list[_Seq], block_ids: torch.Tensor, rows: list[int],
                        read: torch.Tensor) -> torch.Tensor:
@@ -245,7 +263,10 @@ class D2SDEngine(SpecEngine):
                                torch.tensor(offered, device=self.device))
 
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
-        logits = self._chain_logits(seqs, rows)  # [n, B-1, V]
+        if self.branch_drafter == "joint":
+            logits, self._joint_logits_now = self._joint_logits(seqs, rows)
+        else:
+            logits = self._chain_logits(seqs, rows)  # [n, B-1, V]
         hot = [j for j, i in enumerate(rows) if not seqs[i].req.sampling.greedy]
         q = logits.float().softmax(-1)
         if hot:
@@ -259,14 +280,14 @@ class D2SDEngine(SpecEngine):
         caps = torch.tensor([cap[i] for i in rows])  # host: the plan is solved there (plan_tree)
         conf = self._calibrated(top1)
         auto = self.branch_drafter == "auto"
-        plan = plan_tree(conf, torch.full_like(conf, self._alt_rate()), caps, k=self.tree_k, branch_len=self.branch_len,
+        rho, lens, alts = self._branch_rates(conf)
+        plan = plan_tree(conf, rho, caps, k=self.tree_k, branch_len=lens,
                          beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
-                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain,
-                         alts=[self._alt_rate(w) for w in range(1, self.branch_width)],
-                         start=self._last_value["first" if self.branch_drafter == "first" else "recovery"],
+                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain, alts=alts,
+                         start=self._last_value[self._source if self.branch_drafter in ("first", "joint") else "recovery"],
                          first_rates=[self._alt_rate(w, self._first_obs) for w in range(self.branch_width)] if auto else None,
                          first_start=self._last_value["first"])
-        if self.branch_drafter != "first":
+        if self.branch_drafter not in ("first", "joint"):
             self._source = plan.source
         if plan.value == plan.value:  # nan under the fixed rule
             self._last_value[self._source] = plan.value
@@ -282,12 +303,43 @@ class D2SDEngine(SpecEngine):
             branches = {}
         elif self._source == "first":
             branches = self._first_drafter_branches(seqs, rows, chain_l, pending, hot_set, q)
+        elif self._source == "joint":
+            branches = self._joint_branches(seqs, rows, chain_l, pending, hot_set, q)
         else:
             branches = self._branches(seqs, rows, chain_l, pending, hot_set)
         for j, i in enumerate(rows):
             n_chain = chain_len[j] - 1
             chain_q = q[j, :n_chain] if j in hot_set else None
             trees[i] = build_row(seqs[i].last_token, chain_l[j][:n_chain], branches.get(j, []), chain_q)
+
+    def _branch_rates(self, conf: torch.Tensor):
+        """The plan's rates: rho [n, S] of a branch's first token, the longest branch and the
+        further alternatives' rates, per slot under "joint" (slot 1 the recovery drafter's
+        branch, the rest the first drafter's one-node ranks), else the same at every slot."""
+        if self.branch_drafter != "joint":
+            return (torch.full_like(conf, self._alt_rate()), self.branch_len,
+                    [self._alt_rate(w) for w in range(1, self.branch_width)])
+        s = conf.shape[1]
+        first = [self._alt_rate(w, self._first_obs) for w in range(self.branch_width)]
+        mine = [self._alt_rate(w, self._joint_obs) for w in range(self.branch_width)]
+        rho = torch.full_like(conf, first[0])
+        rho[:, 0] = mine[0]
+        lens = np.ones(s, dtype=np.int64)
+        lens[0] = min(self.branch_len, s)
+        alts = np.tile(np.asarray(first[1:], dtype=np.float64), (s, 1))
+        alts[0] = mine[1:]
+        return rho, lens, alts
+
+    def _joint_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
+        """Slot 1's branch from the recovery drafter's logits of this step's joint forward (its
+        block there is the chain's own), the other slots' from the first drafter's ranks."""
+        at_one = [p for p in pending if p[1] == 1]
+        out = self._first_drafter_branches(seqs, rows, chain_l, [p for p in pending if p[1] != 1], hot_set, q)
+        if at_one:
+            logits = self._joint_logits_now[[j for j, _, _, _ in at_one]]  # [m, L, V] at slots 1..L
+            for j, mine in self._branches_from(seqs, rows, chain_l, at_one, hot_set, logits).items():
+                out[j] = mine + out.get(j, [])  # build_row orders branches by slot
+        return out
 
     def _branches(self, seqs, rows, chain_l, pending, hot_set) -> dict[int, list[Branch]]:
         """One recovery-drafter forward for every (row j, slot r, length l, w more alternatives):
@@ -307,6 +359,11 @@ class D2SDEngine(SpecEngine):
             ids[m, : len(known)] = known
         logits = self._branch_logits(seqs, torch.from_numpy(ids).to(self.device), [rows[j] for j, _, _, _ in pending],
                                      torch.from_numpy(read).to(self.device))  # [m, width, V]
+        return self._branches_from(seqs, rows, chain_l, pending, hot_set, logits)
+
+    def _branches_from(self, seqs, rows, chain_l, pending, hot_set, logits) -> dict[int, list[Branch]]:
+        """The recovery drafter's branches from its logits [m, >= l, V] at slots r, r+1, ... of
+        each pending (row j, slot r, length l, w more alternatives)."""
         greedy = [m for m, (j, _, _, _) in enumerate(pending) if j not in hot_set]
         if greedy:  # every greedy branch's tokens in a few batched reads
             at = torch.tensor(greedy, device=self.device)
@@ -454,6 +511,8 @@ class D2SDEngine(SpecEngine):
         """Continuation slots tried and accepted on branches whose alternative was accepted."""
         won = tried = 0.0
         alt_won, alt_tried = [0.0] * self.branch_width, [0.0] * self.branch_width
+        joint = self._source == "joint"
+        one_won, one_tried = [0.0] * self.branch_width, [0.0] * self.branch_width  # slot 1's, under joint
         for tree, r in zip(trees, results):
             chain_end = tree.chain_length
             on_branch = [n for n in r.path if n >= chain_end]
@@ -466,8 +525,9 @@ class D2SDEngine(SpecEngine):
                 parent = tree.parents[k]
                 w = rank[parent] = rank.get(parent, -1) + 1
                 if parent in path and parent + 1 not in path and w < self.branch_width:
-                    alt_tried[w] += 1
-                    alt_won[w] += k in path
+                    into_won, into_tried = (one_won, one_tried) if joint and parent == 0 else (alt_won, alt_tried)
+                    into_tried[w] += 1
+                    into_won[w] += k in path
             self.tree_stats["branch_tokens"] += n_branch
             if on_branch:
                 self.tree_stats["branch_wins"] += 1
@@ -481,15 +541,19 @@ class D2SDEngine(SpecEngine):
                 won += len(on_branch) - 1
         self._beta_obs = [0.98 * self._beta_obs[0] + won, 0.98 * self._beta_obs[1] + tried]
         # under auto the step's branches came from one source: its record moves, the other's stands
-        mine = self._first_obs if self.branch_drafter == "auto" and self._source == "first" else self._alt_obs
+        # under joint, slot 1's alternatives are the recovery drafter's and the others the first's
+        mine = self._first_obs if joint or (self.branch_drafter == "auto" and self._source == "first") else self._alt_obs
         mine[:] = [[0.98 * o[0] + a, 0.98 * o[1] + t] for o, a, t in zip(mine, alt_won, alt_tried)]
+        if joint:
+            self._joint_obs[:] = [[0.98 * o[0] + a, 0.98 * o[1] + t]
+                                  for o, a, t in zip(self._joint_obs, one_won, one_tried)]
 
     def _tree_cost_model(self, bs: int, rows: list[int]) -> TreeCost | None:
         if self.tree_rule == "fixed":
             return None
         c = self._cost(bs)
-        if self._tree_cost is None:  # a first-drafter branch costs its verify token only
-            self._tree_cost = (0.0, 0.0) if self.branch_drafter == "first" else self._profile_recovery()
+        if self._tree_cost is None:  # a first-drafter branch costs its verify token only; a joint one was drafted already
+            self._tree_cost = (0.0, 0.0) if self.branch_drafter in ("first", "joint") else self._profile_recovery()
         per_branch, branch_fixed = self._tree_cost
         # the chain's drafting is paid already; undrafted rows verify their bonus token
         fixed = c.fixed + c.draft_fixed + c.per_draft * len(rows) + c.per_token * (bs - len(rows))

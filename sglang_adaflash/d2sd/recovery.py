@@ -92,19 +92,21 @@ def plan_tree(
     cap: torch.Tensor,
     *,
     k: int,
-    branch_len: int,
+    branch_len: int | np.ndarray,
     beta: float,
     cost: TreeCost | None,
     trim_chain: bool = False,
     rounds: int = 8,
-    alts: tuple[float, ...] | list[float] = (),
+    alts: tuple[float, ...] | list[float] | np.ndarray = (),
     start: float = 0.0,
     first_rates: tuple[float, ...] | list[float] | None = None,
     first_start: float = 0.0,
 ) -> BranchPlan:
     """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify; alts the
     chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
-    len(alts) of them per branch). start: a first price to try (the previous step's plan value,
+    len(alts) of them per branch). branch_len and alts may also be given per slot ([S] and
+    [S, W-1]): with `--branch-drafter joint` slot 1's branch is the recovery drafter's, with its
+    rates and length, and the other slots' are the first drafter's one-node ranks. start: a first price to try (the previous step's plan value,
     which is usually close), so the iteration mostly ends after two rounds instead of three or
     four; from any start the prices rise to the same fixed point once a real plan's value is
     the price.
@@ -123,11 +125,17 @@ def plan_tree(
     c_1 ... c_k pays its verify slot at the plan's price (a chain keeps at least one proposal).
     """
     cap = cap.long()
+    n_slots = conf.shape[1]
+    lens_s = np.broadcast_to(np.asarray(branch_len, dtype=np.int64), (n_slots,))  # longest branch per slot
+    alts_s = np.asarray(alts, dtype=np.float64)
+    if alts_s.ndim == 1:
+        alts_s = np.broadcast_to(alts_s, (n_slots, alts_s.shape[0]))  # [S, W-1]: the same rates at every slot
     if cost is None:
         slots, f = candidates(conf, cap.to(conf.device), k)
-        longest = torch.where(f > 0, (cap.to(conf.device)[:, None] - slots).clamp(min=0, max=branch_len), 0)
+        per_slot = torch.as_tensor(np.array(lens_s), device=conf.device)[slots - 1]
+        longest = torch.where(f > 0, torch.minimum((cap.to(conf.device)[:, None] - slots).clamp(min=0), per_slot), 0)
         slots, longest = torch.cat([slots, longest], 1).cpu().split([slots.shape[1]] * 2, dim=1)  # one read
-        return BranchPlan(slots, longest, float("nan"), cap.cpu(), torch.where(longest > 0, len(alts), 0))
+        return BranchPlan(slots, longest, float("nan"), cap.cpu(), torch.where(longest > 0, alts_s.shape[1], 0))
     # a few dozen numbers per row: numpy on the host is several times faster than torch here
     c = conf.detach().double().cpu().numpy()
     capn = cap.cpu().numpy()
@@ -139,14 +147,14 @@ def plan_tree(
     kk = min(k, s)
     rows = np.arange(n)[:, None]
 
-    def source(r_all, lmax, per_branch, branch_fixed, rates):
-        ls = np.arange(lmax + 1, dtype=np.float64)  # branch lengths 0..lmax
+    def source(r_all, lens, per_branch, branch_fixed, rates):
+        """lens [S] the longest branch per slot, rates [S, W-1] the further alternatives' rates."""
+        ls = np.arange(int(lens.max()) + 1, dtype=np.float64)  # branch lengths 0..lmax
         cont = np.concatenate([[0.0], np.cumsum(beta ** ls[:-1])])  # 1 + beta + ... (l terms)
-        return (r_all, lmax, ls, cont, cost.per_token * ls + per_branch * (ls > 0), branch_fixed,
-                np.asarray(list(rates), dtype=np.float64))
+        return (r_all, lens, ls, cont, cost.per_token * ls + per_branch * (ls > 0), branch_fixed, rates)
 
     def plan_at(lam: float, src, branching: bool):
-        r_all, lmax, ls, cont, row_cost, branch_fixed, rho_alt = src
+        r_all, lens, ls, cont, row_cost, branch_fixed, rho_alt = src
         chain = capn
         if trim_chain:
             keep = np.cumprod((reach > lam * cost.per_token) & in_cap, 1).sum(1)
@@ -155,12 +163,14 @@ def plan_tree(
         idx = np.argsort(-f, 1, kind="stable")[:, :kk]
         fk = f[rows, idx]
         slots = idx + 1
-        longest = np.where(fk > 0, np.clip(capn[:, None] - slots, 0, lmax), 0) if branching else np.zeros_like(slots)
+        longest = (np.where(fk > 0, np.minimum(np.clip(capn[:, None] - slots, 0, None), lens[idx]), 0) if branching
+                   else np.zeros_like(slots))
         gain = (fk * r_all[rows, idx])[..., None] * cont[None, None]  # [n, K, lmax+1]
         # the best prefix of the further alternatives, worth having only beside a branch (l >= 1)
-        alt_net = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(fk[..., None] * rho_alt - lam * cost.per_token, 2)], 2)
+        alt_gain = fk[..., None] * rho_alt[idx]  # [n, K, W-1]
+        alt_net = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(alt_gain - lam * cost.per_token, 2)], 2)
         extra = alt_net.argmax(-1)  # [n, K]
-        alt_tokens = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(fk[..., None] * rho_alt, 2)], 2)
+        alt_tokens = np.concatenate([np.zeros((n, kk, 1)), np.cumsum(alt_gain, 2)], 2)
         with_alts = np.where(ls[None, None] > 0, alt_net.max(-1)[..., None], 0.0)
         net = np.where(ls[None, None] > longest[..., None], -np.inf, gain - lam * row_cost + with_alts)
         choice = net.argmax(-1)
@@ -183,11 +193,12 @@ def plan_tree(
             lam = plan[2]
         return best
 
-    recovery = source(rho.detach().double().cpu().numpy(), branch_len, cost.per_branch, cost.branch_fixed, alts)
+    recovery = source(rho.detach().double().cpu().numpy(), lens_s, cost.per_branch, cost.branch_fixed, alts_s)
     best, won = best_of(recovery, True, start), "recovery"
     if first_rates is not None and len(first_rates) > 0:
-        rates = list(first_rates)
-        first = source(np.full((n, s), float(rates[0])), 1, 0.0, 0.0, rates[1:])
+        rates = np.asarray(list(first_rates), dtype=np.float64)
+        first = source(np.full((n, s), rates[0]), np.ones(s, dtype=np.int64), 0.0, 0.0,
+                       np.broadcast_to(rates[1:], (s, rates.shape[0] - 1)))
         other = best_of(first, True, first_start)
         if other[2] > best[2]:
             best, won = other, "first"

@@ -24,6 +24,7 @@ from ..core.kv_cache import SlotKVCache
 from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
 from ..engine.proposer import DFlashProposer
+from .joint import JointDrafters
 
 RECOVERY_KEY = "recovery_drafter"
 RECOVERY_FORMAT = 1
@@ -83,9 +84,13 @@ class TreeProposer(DFlashProposer):
 
     FLUSH_AFTER = 64
 
-    def __init__(self, drafter: DFlashDrafter, recovery: DFlashDrafter | None, *, num_slots: int, capacity: int):
+    def __init__(self, drafter: DFlashDrafter, recovery: DFlashDrafter | None, *, num_slots: int, capacity: int,
+                 joint: bool = False):
+        """joint: the two drafters run as one stacked forward (joint.py, `--branch-drafter
+        joint`); both contexts are then written eagerly, by one stacked projection."""
         super().__init__(drafter, num_slots=num_slots, capacity=capacity)
         self.recovery, self.rcache = recovery, None
+        self.joint = JointDrafters(drafter, recovery) if joint else None
         # slot -> [(start, features [A, K*H])], contiguous in position: not yet in rcache
         self._lag: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.lag_flushes = 0  # batched catch-up calls (tests and benchmarks read it)
@@ -98,6 +103,9 @@ class TreeProposer(DFlashProposer):
 
     @torch.inference_mode()
     def extend_context(self, target_hidden, starts, slots) -> None:
+        if self.joint is not None:
+            self._extend_both(target_hidden, starts, slots)
+            return
         super().extend_context(target_hidden, starts, slots)
         if self.recovery is None or target_hidden.shape[1] == 0:  # nothing written, nothing overwritten
             return
@@ -118,6 +126,43 @@ class TreeProposer(DFlashProposer):
             queue.append((start, feats))
         if any(len(q) >= self.FLUSH_AFTER for q in self._lag.values()):
             self.catch_up(list(self._lag))
+
+    def _extend_both(self, target_hidden, starts, slots) -> None:
+        """Both drafters' context K/V from one stacked projection, written at once."""
+        a = target_hidden.shape[1]
+        if a == 0:
+            return
+        positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        index = None if consecutive else torch.tensor(slots, dtype=torch.long, device=positions.device)
+        for cache, kv in zip((self.cache, self.rcache), self.joint.context_kv(target_hidden, positions)):
+            for layer, (k, v) in enumerate(kv):
+                if consecutive:
+                    cache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
+                else:
+                    cache.write_slots(layer, index, positions, k, v)
+
+    @torch.inference_mode()
+    def propose_joint(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, slots: list[int]):
+        """Both drafters over the block [last token, masks...] of each request in cache slots
+        `slots`, in one stacked forward -> (first's, recovery's) block states, each [n, B, H]."""
+        n, b = last_tokens.shape[0], self.block_size
+        block_ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
+        block_ids[:, 0] = last_tokens
+        embeds = self.drafter.embed_tokens(block_ids)
+        positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
+        c = int(ctx_lens.max())
+        ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]
+        mask = torch.cat([ctx_visible, ctx_visible.new_ones(n, b)], dim=1)[:, None, None, :].expand(n, 1, b, c + b)
+        layers = range(len(self.drafter.layers))
+        if all(b == a + 1 for a, b in zip(slots, slots[1:])):  # the whole running batch: views
+            ctx_first = [self.cache.view(layer, n, c, offset=slots[0]) for layer in layers]
+            ctx_rec = [self.rcache.view(layer, n, c, offset=slots[0]) for layer in layers]
+        else:
+            index = torch.tensor(slots, dtype=torch.long, device=last_tokens.device)
+            ctx_first = [self.cache.gather(layer, index, c) for layer in layers]
+            ctx_rec = [self.rcache.gather(layer, index, c) for layer in layers]
+        return self.joint.forward(embeds, positions, ctx_first, ctx_rec, mask)
 
     @torch.inference_mode()
     def catch_up(self, slots) -> None:

@@ -81,3 +81,12 @@ class OracleD2SD(D2SDEngine):
             out[r:] = self._logits(cont, True)
             outs.append(out[read[m]])
         return torch.stack(outs)
+
+    def _joint_logits(self, seqs, rows):
+        """--branch-drafter joint: the chain, and the recovery oracle at slots 1..L of the block
+        [last token, masks] (the chain's own block)."""
+        b, span = self.block_size, min(self.branch_len, self.block_size - 1)
+        ids = torch.full((len(rows), b), self.drafter.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([seqs[i].last_token for i in rows])
+        read = torch.arange(1, 1 + span)[None].expand(len(rows), -1)
+        return self._chain_logits(seqs, rows), self._branch_logits(seqs, ids, rows, read)

@@ -185,3 +185,35 @@ def test_first_drafter_options_record_what_runs():
     assert (opts.recovery_drafter, opts.branch_len, opts.branch_drafter) == (None, 1, "first")
     opts = options_from_args(p.parse_args(["--recovery-drafter", "x", "--branch-len", "3"]), ["d2sd"])
     assert (opts.recovery_drafter, opts.branch_len, opts.branch_drafter) == ("x", 3, "recovery")
+
+
+def test_joint_drafting_serves_equal_to_ar_and_refuses_another_shape(tiny_pair, tmp_path, capsys):
+    """--branch-drafter joint stacks the two drafters: a recovery drafter of the first one's
+    shape serves, equal to ar; one with a narrower MLP (a valid recovery drafter for the
+    sequential modes) is refused for joint with a one-line reason, and still serves `recovery`."""
+    ar = _generate(capsys, tiny_pair, mode="ar")[1]
+    rec = make_recovery(tiny_pair.drafter_dir, tmp_path / "rec")
+    for rule in ("fixed", "load_aware"):
+        rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--branch-drafter", "joint",
+                                 "--tree-k", 3, "--branch-width", 2, "--tree-rule", rule)
+        assert rc == 0, err
+        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+    width = load_drafter(tiny_pair.drafter_dir).config.intermediate_size // 2
+
+    def narrower(w):
+        for name in list(w):
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                w[name] = w[name][:width].contiguous()
+            elif name.endswith("down_proj.weight"):
+                w[name] = w[name][:, :width].contiguous()
+        return w
+
+    other = make_recovery(tiny_pair.drafter_dir, tmp_path / "narrow", config={"intermediate_size": width},
+                          state=narrower)
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", other, "--branch-drafter", "joint")
+    assert rc == 2 and not out and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert "--branch-drafter joint" in line and "intermediate_size" in line, line
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", other, "--branch-drafter", "recovery")
+    assert rc == 0, err
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]

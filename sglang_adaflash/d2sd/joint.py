@@ -1,0 +1,155 @@
+"""The first and the recovery drafter run as one forward (`--branch-drafter joint`).
+
+The recovery drafter's block for the slot-1 recovery point holds the last committed token and
+masks from slot 1 on: exactly the first drafter's block. That branch therefore needs nothing
+from the chain, and both drafters can read the same block in the same pass. Both are DFlash
+drafters of one shape, so their weights are stacked along a leading axis of two and every
+matmul of the pass is one batched matmul over the pair: the ops (and, on a CPU or a launch-bound
+GPU, the time) of one drafter forward, with twice its arithmetic. The same holds for the
+projection of the committed target features into both drafters' context K/V.
+
+On the embedded pair at c=1 the pair's forward took about 0.1 ms more than the first drafter's
+alone, against about 1 ms for a second, sequential recovery forward of one block
+(benchmarks/d2sd/README.md, "Joint drafting").
+
+The stacked weights are copies. Hot reload copies new weights into the first drafter in place
+(serving/reload/apply.py); every in-place write bumps a tensor's version counter, so the stack
+is rebuilt whenever a parameter the stack was made from has a new version. (Listing the
+modules' parameters every step cost 0.1 ms; the list is taken once, so replacing a parameter
+object instead of writing into it needs `refresh()`. Weights created under inference_mode keep no
+version counter; those are restacked on every call.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.layers import apply_rope, attention
+from ..drafter.model import DFlashDrafter
+
+_SAME = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "rms_norm_eps", "rope_theta", "num_target_layers", "target_layer_ids", "block_size")
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+
+
+def incompatibility(first: DFlashDrafter, recovery: DFlashDrafter) -> str | None:
+    """Why the two cannot run as one stacked forward, or None."""
+    for name in _SAME:
+        a, b = getattr(first.config, name), getattr(recovery.config, name)
+        if a != b:
+            return f"{name} is {a} in the first drafter and {b} in the recovery drafter"
+    if first.fc.weight.dtype != recovery.fc.weight.dtype or first.fc.weight.device != recovery.fc.weight.device:
+        return "the two drafters are loaded with different dtypes or devices"
+    return None
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [2, ..., D] with per-drafter weights w [2, D] (core.layers.rms_norm's numerics)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x32 = x.float()
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    else:
+        y = F.rms_norm(x, (x.shape[-1],), None, eps)
+    return y * w.view(2, *([1] * (x.dim() - 2)), w.shape[-1])
+
+
+class JointDrafters:
+    """Two same-shaped DFlash drafters as one: `forward` and `context_kv` return both results."""
+
+    def __init__(self, first: DFlashDrafter, recovery: DFlashDrafter):
+        why = incompatibility(first, recovery)
+        if why is not None:
+            raise ValueError(f"the drafters cannot run jointly: {why}")
+        self.first, self.recovery = first, recovery
+        cfg = first.config
+        self.eps, self.hd = cfg.rms_norm_eps, cfg.head_dim
+        self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.rebuilds = 0  # tests read it
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the parameters again and restack (after parameters were replaced, not written)."""
+        self._params = [p for d in (self.first, self.recovery) for p in d.parameters()]
+        # weights made under inference_mode keep no version counter: restacked on every call
+        self._untracked = any(p.is_inference() for p in self._params)
+        self._stamp = None
+
+    def _weights(self) -> dict:
+        stamp = None if self._untracked else [p._version for p in self._params]
+        if stamp is None or stamp != self._stamp:
+            self._stack()
+            self._stamp = stamp
+        return self._w
+
+    @torch.inference_mode()
+    def _stack(self) -> None:
+        pair = (self.first, self.recovery)
+        w: dict = {"fc": torch.stack([d.fc.weight.t() for d in pair]).contiguous(),
+                   "hidden_norm": torch.stack([d.hidden_norm.weight for d in pair]),
+                   "norm": torch.stack([d.norm.weight for d in pair]), "layers": []}
+        for i in range(len(self.first.layers)):
+            layer = {}
+            for name in _LINEARS:  # [2, in, out]: x [2, T, in] @ it is each drafter's Linear
+                layer[name] = torch.stack([d.layers[i].get_submodule(name).weight.t() for d in pair]).contiguous()
+            for name in _NORMS:
+                layer[name] = torch.stack([d.layers[i].get_submodule(name).weight for d in pair])
+            w["layers"].append(layer)
+        self._w = w
+        self.rebuilds += 1
+
+    def _kv(self, layer: dict, x: torch.Tensor, cos, sin):
+        """x [2, n, S, H] -> k, v [2, n, kvh, S, hd] (k normed and rotated)."""
+        two, n, s, h = x.shape
+        k = torch.bmm(x.reshape(2, n * s, h), layer["self_attn.k_proj"]).view(2, n, s, self.kvh, self.hd)
+        v = torch.bmm(x.reshape(2, n * s, h), layer["self_attn.v_proj"]).view(2, n, s, self.kvh, self.hd)
+        k = apply_rope(_norm(k, layer["self_attn.k_norm"], self.eps), cos, sin)
+        return k.transpose(2, 3), v.transpose(2, 3)
+
+    @torch.inference_mode()
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor):
+        """Target features [n, A, K*H] at positions [n, A] -> (first's, recovery's) per-layer
+        context K/V, each [(k, v)] with k, v [n, kvh, A, hd]: DFlashDrafter.context_kv of
+        project_context for each drafter."""
+        w = self._weights()
+        n, a, kh = target_hidden.shape
+        x = target_hidden.to(w["fc"].dtype).reshape(1, n * a, kh).expand(2, -1, -1)
+        ctx = _norm(torch.bmm(x, w["fc"]), w["hidden_norm"], self.eps).view(2, n, a, -1)
+        cos, sin = self.first.rope(positions, ctx.dtype)
+        cos, sin = cos[None, :, :, None], sin[None, :, :, None]
+        out = ([], [])
+        for layer in w["layers"]:
+            k, v = self._kv(layer, ctx, cos, sin)
+            for d in range(2):
+                out[d].append((k[d], v[d]))
+        return out
+
+    @torch.inference_mode()
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_first, ctx_recovery,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both drafters over the same block: block_embeds [N, Q, H], block_positions [N, Q],
+        ctx_first / ctx_recovery per layer ([N, kvh, C, hd] x2), mask [N, 1, Q, C+Q] ->
+        (first's, recovery's) final normed block states, each [N, Q, H]."""
+        w = self._weights()
+        n, q_len, h = block_embeds.shape
+        x = block_embeds.to(w["fc"].dtype)[None].expand(2, -1, -1, -1)  # [2, N, Q, H]
+        cos, sin = self.first.rope(block_positions, x.dtype)
+        cos, sin = cos[None, :, :, None], sin[None, :, :, None]
+        mask2 = mask.expand(n, 1, q_len, mask.shape[-1]).repeat(2, 1, 1, 1)
+        for layer, (ca, va), (cb, vb) in zip(w["layers"], ctx_first, ctx_recovery):
+            hs = _norm(x, layer["input_layernorm"], self.eps)
+            bk, bv = self._kv(layer, hs, cos, sin)  # [2, N, kvh, Q, hd]
+            q = torch.bmm(hs.reshape(2, n * q_len, h), layer["self_attn.q_proj"]).view(2, n, q_len, self.nh, self.hd)
+            q = apply_rope(_norm(q, layer["self_attn.q_norm"], self.eps), cos, sin).transpose(2, 3)
+            k = torch.cat([torch.cat([ca, cb]), bk.flatten(0, 1)], dim=2)  # [2N, kvh, C+Q, hd]
+            v = torch.cat([torch.cat([va, vb]), bv.flatten(0, 1)], dim=2)
+            out = attention(q.flatten(0, 1), k, v, mask2)  # [2N, nh, Q, hd]
+            out = out.view(2, n, self.nh, q_len, self.hd).transpose(2, 3).reshape(2, n * q_len, -1)
+            x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
+            hs = _norm(x, layer["post_attention_layernorm"], self.eps).reshape(2, n * q_len, h)
+            up = F.silu(torch.bmm(hs, layer["mlp.gate_proj"])) * torch.bmm(hs, layer["mlp.up_proj"])
+            x = x + torch.bmm(up, layer["mlp.down_proj"]).view(2, n, q_len, h)
+        x = _norm(x, w["norm"], self.eps)
+        return x[0], x[1]

@@ -102,7 +102,7 @@ def plan_tree(
     first_rates: tuple[float, ...] | list[float] | None = None,
     first_start: float = 0.0,
 ) -> BranchPlan:
-    """conf, rho [n, S] (slots 1..S); cap [n] the most slots each row may verify; alts the
+    """conf, rho [n, S] (slots 1..S; rho may be a numpy array); cap [n] the most slots each row may verify; alts the
     chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
     len(alts) of them per branch). branch_len and alts may also be given per slot ([S] and
     [S, W-1]): with `--branch-drafter joint` slot 1's branch is the recovery drafter's, with its
@@ -193,7 +193,8 @@ def plan_tree(
             lam = plan[2]
         return best
 
-    recovery = source(rho.detach().double().cpu().numpy(), lens_s, cost.per_branch, cost.branch_fixed, alts_s)
+    rho_n = rho if isinstance(rho, np.ndarray) else rho.detach().double().cpu().numpy()
+    recovery = source(rho_n, lens_s, cost.per_branch, cost.branch_fixed, alts_s)
     best, won = best_of(recovery, True, start), "recovery"
     if first_rates is not None and len(first_rates) > 0:
         rates = np.asarray(list(first_rates), dtype=np.float64)

@@ -1,0 +1,124 @@
+"""`--branch-drafter joint` at c=1: tree settings side by side with dflash and the first drafter's tree.
+
+Serves the 16 in-domain prompts of prompts16.jsonl one request at a time (float32, one torch
+thread) with dflash, the one-drafter tree (`first`, tree-k 4, width 4) and joint trees of
+several sizes under the load-aware rule, interleaved over --repeats rounds so that a slow
+spell of the shared machine hits every engine of a round. Each figure is the median over the
+rounds of the ratio to the same round's dflash. `--price-scale` also runs the default joint tree
+with the plan's verify-token price scaled (0.5 = tokens priced at half their measured cost),
+which shows how flat the plan's objective is around its choice. Every output is checked
+against `ar`'s, token for token.
+
+    python benchmarks/d2sd/joint_sweep.py --out benchmarks/d2sd/joint_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.runner import BenchConfig, build_workload  # noqa: E402
+from sglang_adaflash.d2sd.cli import RECOVERY_DIR  # noqa: E402
+from sglang_adaflash.d2sd.engine import D2SDEngine  # noqa: E402
+from sglang_adaflash.d2sd.recovery_drafter import load_recovery_drafter  # noqa: E402
+from sglang_adaflash.engine.engine import EngineStats  # noqa: E402
+from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
+from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
+from sglang_adaflash.launch.loading import load_pair  # noqa: E402
+from sglang_adaflash.launch.prompts import read_prompts  # noqa: E402
+
+PROMPTS = ROOT / "benchmarks" / "d2sd" / "prompts16.jsonl"
+# name: (branch drafter, tree-k, branch-width, branch-len)
+TREES = {
+    "first k4 w4": ("first", 4, 4, 1),
+    "joint k4 w4 l4": ("joint", 4, 4, 4),
+    "joint k2 w4 l2": ("joint", 2, 4, 2),
+    "joint k3 w3 l2": ("joint", 3, 3, 2),
+    "joint k1 w4 l2": ("joint", 1, 4, 2),
+}
+
+
+class ScaledPrice(D2SDEngine):
+    """The plan sees verify tokens at `scale` times their measured price (the sweep's probe of
+    the objective's flatness; not an engine option)."""
+
+    scale = 1.0
+
+    def _tree_cost_model(self, bs, rows):
+        cost = super()._tree_cost_model(bs, rows)
+        return replace(cost, per_token=cost.per_token * self.scale)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--price-scale", type=float, nargs="*", default=[0.5, 1.5])
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
+    recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
+    cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
+    wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
+    engines = {"ar": make_engine(pair, "ar", 1, 600, 0, num_requests=16),
+               "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
+    for name, (src, k, w, ln) in TREES.items():
+        engines[name] = D2SDEngine(pair.target, pair.drafter, recovery if src != "first" else None,
+                                   branch_drafter=src, tree_k=k, branch_width=w, branch_len=ln,
+                                   tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
+    for scale in args.price_scale:
+        eng = ScaledPrice(pair.target, pair.drafter, recovery, branch_drafter="joint", tree_k=4, branch_width=4,
+                          branch_len=4, tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
+        eng.scale = scale
+        engines[f"joint k4 w4 l4, price x{scale}"] = eng
+    reference = [o.output_ids for o in engines["ar"].run(wl.requests(16, pair.stop_token_ids))]
+    for eng in engines.values():
+        eng.run(wl.requests(16, pair.stop_token_ids)[:4])  # warm-up, and the cost models' first fit
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    equal = True
+    for _ in range(args.repeats):
+        for name, eng in engines.items():
+            eng.stats = EngineStats()
+            t0 = time.perf_counter()
+            outs = eng.run(wl.requests(16, pair.stop_token_ids))
+            wall = time.perf_counter() - t0
+            equal &= [o.output_ids for o in outs] == reference
+            s = eng.stats
+            rounds[name].append({"tokens_per_s": s.committed_tokens / wall, "tau": s.committed_tokens / s.steps,
+                                 "verified_per_step": s.verified_tokens / s.steps})
+    results = {}
+    for name, rs in rounds.items():
+        ratio = [r["tokens_per_s"] / d["tokens_per_s"] for r, d in zip(rs, rounds["dflash"])]
+        results[name] = {
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
+            "tau": round(statistics.median(r["tau"] for r in rs), 3),
+            "verified_per_step": round(statistics.median(r["verified_per_step"] for r in rs), 2),
+            "vs_dflash_tau": round(statistics.median(r["tau"] / d["tau"] for r, d in zip(rs, rounds["dflash"])), 3),
+            "vs_dflash_tokens_per_s": round(statistics.median(ratio), 3),
+            "vs_dflash_tokens_per_s_rounds": [round(x, 3) for x in ratio],
+        }
+    report = {"command": "python benchmarks/d2sd/joint_sweep.py --out " + str(args.out),
+              "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
+                           "repeats": args.repeats, "tree_rule": "load_aware"},
+              "equal_to_ar": equal, "results": results}
+    write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
+    for name, r in results.items():
+        print(f"{name:32s} tau x{r['vs_dflash_tau']:.3f}  tok/s x{r['vs_dflash_tokens_per_s']:.3f} "
+              f"{r['vs_dflash_tokens_per_s_rounds']}  verified/step {r['verified_per_step']}")
+    print("equal to ar:", equal)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

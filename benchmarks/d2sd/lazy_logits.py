@@ -30,6 +30,13 @@ from sglang_adaflash.launch.prompts import read_prompts
 PROMPTS = Path(__file__).with_name("prompts16.jsonl")
 
 
+class ReadNodes(D2SDEngine):
+    """The lazy walk at every size (the engine takes one call over every node for trees of at
+    most ONE_READ_ROWS rows since commit 89a6b49)."""
+
+    ONE_READ_ROWS = 0
+
+
 class EveryNode(D2SDEngine):
     """The walk over every node's logits (greedy rows only: the workload is greedy)."""
 
@@ -53,7 +60,7 @@ def main(argv=None) -> int:
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         kw = dict(tree_k=2, branch_len=4, tree_rule="fixed", max_batch_size=c, max_seq_len=600)
-        engines = {"read_nodes": D2SDEngine(pair.target, pair.drafter, pair.recovery, **kw),
+        engines = {"read_nodes": ReadNodes(pair.target, pair.drafter, pair.recovery, **kw),
                    "every_node": EveryNode(pair.target, pair.drafter, pair.recovery, **kw)}
         tput = {n: [] for n in engines}
         outs = {}

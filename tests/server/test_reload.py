@@ -179,3 +179,36 @@ def test_mode_ar_serves_without_a_drafter_and_says_why_it_cannot_reload(pair, tm
     state = server.get(ROUTE).json()
     assert state["loaded_version"] is None and "mode ar" in state["reload"]
     assert "adaflash_spec_drafts_total{" not in server.get("/metrics").text  # ar drafts nothing
+
+
+def test_joint_drafting_follows_a_hot_reload(pair, tmp_path, live_server):
+    """`serve --mode d2sd --branch-drafter joint`: the two drafters run as one stacked pass, a
+    copy of their weights; a reloaded first drafter (written in place) is what the next pass
+    reads, and T=0 answers stay those of plain decoding before and after."""
+    from ..d2sd.test_recovery_checkpoint import make_recovery
+
+    home = tmp_path / "home"
+    v1 = publish_pair_drafter(home, pair)
+    rec = make_recovery(pair.drafter_dir, tmp_path / "rec")
+    common = ["--target", str(pair.target_dir), "--home", str(home), "--model-name", MODEL, "--no-traffic"]
+    ar = live_server([*common, "--mode", "ar"]).openai()
+    server = live_server([*common, "--mode", "d2sd", "--recovery-drafter", str(rec), "--branch-drafter", "joint",
+                          "--tree-k", "2", "--branch-len", "2", "--reload-poll-s", "0.1"])
+    client = server.openai()
+
+    def answers():
+        return [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                for p in PROMPTS]
+
+    want = [ar.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in PROMPTS]
+    assert server.get(ROUTE).json()["loaded_version"] == v1
+    assert answers() == want
+    engine = server.server.loop.engine
+    joint = engine.proposer.joint
+    built = joint.rebuilds
+    v2 = _publish_random(home, pair, seed=7)
+    server.wait_for(lambda: server.get(ROUTE).json()["loaded_version"] == v2, what=f"{v2} to be loaded")
+    assert answers() == want
+    assert joint.rebuilds > built
+    torch.testing.assert_close(joint._weights()["fc"][0], engine.drafter.fc.weight.t())

@@ -23,7 +23,7 @@ import torch
 from ..core.kv_cache import SlotKVCache
 from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
-from ..engine.proposer import DFlashProposer
+from ..engine.proposer import DFlashProposer, write_context
 from .joint import JointDrafters
 
 RECOVERY_KEY = "recovery_drafter"
@@ -133,35 +133,16 @@ class TreeProposer(DFlashProposer):
         if a == 0:
             return
         positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
-        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
-        index = None if consecutive else torch.tensor(slots, dtype=torch.long, device=positions.device)
         for cache, kv in zip((self.cache, self.rcache), self.joint.context_kv(target_hidden, positions)):
-            for layer, (k, v) in enumerate(kv):
-                if consecutive:
-                    cache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
-                else:
-                    cache.write_slots(layer, index, positions, k, v)
+            write_context(cache, kv, positions, slots)
 
     @torch.inference_mode()
     def propose_joint(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, slots: list[int]):
         """Both drafters over the block [last token, masks...] of each request in cache slots
         `slots`, in one stacked forward -> (first's, recovery's) block states, each [n, B, H]."""
-        n, b = last_tokens.shape[0], self.block_size
-        block_ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
-        block_ids[:, 0] = last_tokens
-        embeds = self.drafter.embed_tokens(block_ids)
-        positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
-        c = int(ctx_lens.max())
-        ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]
-        mask = torch.cat([ctx_visible, ctx_visible.new_ones(n, b)], dim=1)[:, None, None, :].expand(n, 1, b, c + b)
-        layers = range(len(self.drafter.layers))
-        if all(b == a + 1 for a, b in zip(slots, slots[1:])):  # the whole running batch: views
-            ctx_first = [self.cache.view(layer, n, c, offset=slots[0]) for layer in layers]
-            ctx_rec = [self.rcache.view(layer, n, c, offset=slots[0]) for layer in layers]
-        else:
-            index = torch.tensor(slots, dtype=torch.long, device=last_tokens.device)
-            ctx_first = [self.cache.gather(layer, index, c) for layer in layers]
-            ctx_rec = [self.rcache.gather(layer, index, c) for layer in layers]
+        embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens)
+        n = len(last_tokens)
+        ctx_first, ctx_rec = (self.context(cache, slots, n, c) for cache in (self.cache, self.rcache))
         return self.joint.forward(embeds, positions, ctx_first, ctx_rec, mask)
 
     @torch.inference_mode()

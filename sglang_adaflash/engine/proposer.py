@@ -38,13 +38,7 @@ class DFlashProposer:
         a = target_hidden.shape[1]
         positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
         ctx = self.drafter.project_context(target_hidden)
-        if _consecutive(slots):
-            for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
-                self.cache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
-            return
-        index = torch.tensor(slots, dtype=torch.long, device=positions.device)
-        for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, positions)):
-            self.cache.write_slots(layer, index, positions, k, v)
+        write_context(self.cache, self.drafter.context_kv(ctx, positions), positions, slots)
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.cache.move(src, dst, length)
@@ -70,6 +64,12 @@ class DFlashProposer:
         What skips the rest pays when few slots are verified: a 16-slot block's query side is
         most of the drafter's arithmetic, which on a CPU is most of its time.
         """
+        embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens)
+        return self.drafter(embeds, positions, self.context(self.cache, slots, len(last_tokens), c), mask, read)
+
+    def block_inputs(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor):
+        """Each request's block [last token, masks...]: embeddings [bs, B, H], positions [bs, B],
+        the mask [bs, 1, B, C+B] (its own committed context, and the whole block) and C."""
         bs, b = last_tokens.shape[0], self.block_size
         block_ids = torch.full((bs, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
         block_ids[:, 0] = last_tokens
@@ -78,20 +78,34 @@ class DFlashProposer:
         c = int(ctx_lens.max())
         ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]  # [bs, C]
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(bs, b)], dim=1)  # [bs, C+B]
-        mask = mask[:, None, None, :].expand(bs, 1, b, c + b)
+        return embeds, positions, mask[:, None, None, :].expand(bs, 1, b, c + b), c
+
+    def context(self, cache: SlotKVCache, slots: list[int] | None, n: int, c: int):
+        """Per layer, the first c context K/V of cache slots `slots` (default 0..n-1): views
+        when the slots are consecutive (the whole running batch), else a gather."""
         layers = range(len(self.drafter.layers))
         if slots is None or _consecutive(slots):
             first = slots[0] if slots else 0
-            ctx_kv = [self.cache.view(layer, bs, c, offset=first) for layer in layers]
-        else:
-            index = torch.tensor(slots, dtype=torch.long, device=last_tokens.device)
-            ctx_kv = [self.cache.gather(layer, index, c) for layer in layers]
-        return self.drafter(embeds, positions, ctx_kv, mask, read)
+            return [cache.view(layer, n, c, offset=first) for layer in layers]
+        index = torch.tensor(slots, dtype=torch.long, device=cache.k[0].device)
+        return [cache.gather(layer, index, c) for layer in layers]
 
     @torch.inference_mode()
     def proposal_logits(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of block slot slots[j] of request rows[j] (slot k proposes token k)."""
         return self.drafter.logits(hidden[rows, slots])
+
+
+def write_context(cache: SlotKVCache, kv, positions: torch.Tensor, slots: list[int]) -> None:
+    """Per-layer context K/V ([(k, v)], each [n, kvh, A, hd]) at positions [n, A] of cache
+    slots `slots`: by slice offset when the slots are consecutive, else scattered."""
+    if _consecutive(slots):
+        for layer, (k, v) in enumerate(kv):
+            cache.write(layer, positions, k, v, offset=slots[0] if slots else 0)
+        return
+    index = torch.tensor(slots, dtype=torch.long, device=positions.device)
+    for layer, (k, v) in enumerate(kv):
+        cache.write_slots(layer, index, positions, k, v)
 
 
 def _consecutive(slots: list[int]) -> bool:

@@ -22,6 +22,18 @@ def assert_follows_target(target, sp, samples, wrong: bool) -> None:
         assert min(pvalues) > 1e-4 / NEW, pvalues
 
 
+def sampling_models():
+    """The small-vocabulary target, first drafter and recovery drafter of the T>0 tests (a
+    vocabulary small enough for a chi-square test at every position)."""
+    from sglang_adaflash.testing.fixtures import tiny_target
+
+    from ..engine.test_lossless_sampling import BLOCK, VOCAB
+
+    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
+    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    return target, drafter, recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+
+
 def recovery_for(first, seed=7, **kw):
     """A random drafter shaped like `first`, declared a recovery drafter."""
     rec = tiny_drafter(seed=seed, **kw)

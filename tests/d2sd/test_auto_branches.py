@@ -11,10 +11,9 @@ from sglang_adaflash.d2sd.engine import D2SDEngine
 from sglang_adaflash.d2sd.recovery import TreeCost
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.planner.cost import StepCostModel
-from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB
-from .conftest import OracleD2SD, assert_follows_target, recovery_for
+from ..engine.test_lossless_sampling import NEW
+from .conftest import OracleD2SD, assert_follows_target, recovery_for, sampling_models
 from .test_d2sd_engine import _mixed_run, _prompts, _run
 from .test_tree_verify import _no_residual_walk
 
@@ -74,9 +73,7 @@ def test_every_position_follows_the_target_with_both_sources(wrong, monkeypatch)
     residual after a rejected candidate is rejected."""
     if wrong:
         monkeypatch.setattr("sglang_adaflash.d2sd.engine.sampling_walk", _no_residual_walk)
-    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
-    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
-    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    target, drafter, recovery = sampling_models()
     eng = _priced(D2SDEngine, lambda step: (0.0, 0.0) if step % 2 == 0 else (5.0, 10.0))(
         target, drafter, recovery, tree_k=2, branch_len=2, branch_width=2, branch_drafter="auto",
         max_batch_size=64, max_seq_len=32, seed=321, cost_model=StepCostModel(1.0, 1e-4))

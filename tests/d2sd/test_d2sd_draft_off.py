@@ -13,10 +13,9 @@ from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.target.hf_target import TargetBatch
-from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB
-from .conftest import OracleD2SD, assert_follows_target, recovery_for
+from ..engine.test_lossless_sampling import NEW
+from .conftest import OracleD2SD, assert_follows_target, recovery_for, sampling_models
 from .test_d2sd_engine import _mixed_run, _prompts, _run
 
 # a drafter row costs about as much as 0.8 plain rows' tokens: drafting pays only when it accepts
@@ -220,9 +219,7 @@ def test_every_position_follows_the_target_at_t_above_zero_with_draft_off(wrong,
     Control: plain steps that do not tell the verifier which rows sample are rejected."""
     if wrong:
         monkeypatch.setattr(D2SDEngine, "_with_sampling", lambda self, spec, seqs: spec)
-    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
-    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
-    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    target, drafter, recovery = sampling_models()
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, draft_off=True, max_batch_size=8,
                      max_seq_len=32, seed=321, cost_model=DEAR_DRAFTS, probe_every=2, probe_share=1.0)
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)

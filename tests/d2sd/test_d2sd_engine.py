@@ -10,10 +10,9 @@ from sglang_adaflash.d2sd.tree import Branch
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
-from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, PROMPT, VOCAB
-from .conftest import OracleD2SD, assert_follows_target, recovery_for
+from ..engine.test_lossless_sampling import NEW, PROMPT
+from .conftest import OracleD2SD, assert_follows_target, recovery_for, sampling_models
 from .test_tree_verify import _no_residual_walk
 
 
@@ -141,9 +140,7 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
     move to the residual after a rejected candidate is rejected."""
     if wrong:
         monkeypatch.setattr("sglang_adaflash.d2sd.engine.sampling_walk", _no_residual_walk)
-    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
-    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
-    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    target, drafter, recovery = sampling_models()
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, tree_rule="fixed", max_batch_size=64,
                      max_seq_len=32, seed=321)
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
@@ -167,9 +164,7 @@ def test_further_alternatives_follow_the_target_at_t_above_zero(wrong):
     every committed position follows the target. At a higher temperature the drafts are often
     wrong, so alternatives are tried often; the control gives them the wrong proposal q (p about
     1e-15 here, the right sampler about 0.1)."""
-    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
-    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
-    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    target, drafter, recovery = sampling_models()
     cls = _WrongAlternativeQ if wrong else D2SDEngine
     eng = cls(target, drafter, recovery, tree_k=3, branch_len=1, branch_width=3, tree_rule="fixed",
               max_batch_size=64, max_seq_len=32, seed=321)

@@ -18,10 +18,10 @@ from sglang_adaflash.d2sd.recovery import TreeCost, candidates, chain_tau, first
 from sglang_adaflash.d2sd.recovery_drafter import TreeProposer
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.planner.cost import StepCostModel
-from sglang_adaflash.testing.fixtures import tiny_drafter, tiny_target
+from sglang_adaflash.testing.fixtures import tiny_drafter
 
-from ..engine.test_lossless_sampling import BLOCK, NEW, VOCAB
-from .conftest import OracleD2SD, assert_follows_target, recovery_for
+from ..engine.test_lossless_sampling import NEW, VOCAB
+from .conftest import OracleD2SD, assert_follows_target, recovery_for, sampling_models
 from .test_d2sd_engine import _mixed_run, _prompts, _run
 from .test_tree_verify import _no_residual_walk
 
@@ -254,9 +254,7 @@ def test_every_position_follows_the_target_at_t_above_zero(wrong, monkeypatch):
     residual after a rejected candidate is rejected."""
     if wrong:
         monkeypatch.setattr("sglang_adaflash.d2sd.engine.sampling_walk", _no_residual_walk)
-    target = tiny_target(seed=5, vocab=VOCAB, layers=2)
-    drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
-    recovery = recovery_for(drafter, seed=8, vocab=VOCAB, block_size=BLOCK, target_layers=2)
+    target, drafter, recovery = sampling_models()
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, branch_width=2, tree_rule="fixed",
                      branch_drafter="joint", max_batch_size=64, max_seq_len=32, seed=321)
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)

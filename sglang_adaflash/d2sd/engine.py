@@ -474,9 +474,9 @@ class D2SDEngine(SpecEngine):
                 out[i] = sampling_walk(tree, p, self._generator_of(seq))
         return out
 
-    # below this many rows (greedy rows x padded tree size) one LM-head call over every node
-    # beats the two lazy ones: each call has a fixed cost (embedded pair, CPU: about 0.15 ms of
-    # the 0.3-0.45 ms a call of 4-16 rows takes), and few rows are wasted
+    # up to this many rows (greedy rows x padded tree size) one LM-head call over every node
+    # beats the two lazy ones: a call has a large fixed part (embedded pair, one CPU thread: a
+    # call of 1-3 rows took 0.16 ms, one of 4-16 rows 0.3-0.6 ms), and few rows are wasted
     ONE_READ_ROWS = 32
 
     def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:

@@ -109,12 +109,14 @@ def _written_context_matches(eng, target, drafter) -> bool:
     return ok
 
 
+@pytest.mark.parametrize("source", ["recovery", "joint"])
 @pytest.mark.parametrize("broken", [None, "forget", "not_queued", "wrong_column"])
-def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, monkeypatch):
+def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, source, monkeypatch):
     """Good and bad requests in one batch (freed slots refilled): the bad ones sit out most
     steps, some of them tree steps of the good ones, and are probed now and then. After every
     step both drafters' context K/V equal a plain forward of the committed tokens at every
-    position written. Controls, each detected: a catch-up that drops the backlog, idle rows of a
+    position written, with the recovery drafter's kept lazily or (joint) written with the first
+    drafter's by one stacked projection. Controls, each detected: a catch-up that drops the backlog, idle rows of a
     tree step not queued, and an idle queue that writes over the previous step's column."""
     if broken == "forget":
         def forget(self, seqs, rows, uncommitted=0):  # drops the prompt and the backlog unwritten
@@ -147,7 +149,8 @@ def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, mo
         monkeypatch.setattr(SpecEngine, "_queue_idle", shifted)
     prompts = _prompts(5, seed=11)
     eng = _OneGoodOneBad(target, drafter, recovery_for(drafter), tree_k=2, branch_len=3, max_batch_size=3,
-                         max_seq_len=160, cost_model=DEAR_DRAFTS, draft_off=True, probe_every=3, probe_share=1.0)
+                         max_seq_len=160, cost_model=DEAR_DRAFTS, draft_off=True, probe_every=3, probe_share=1.0,
+                         branch_drafter=source)  # joint: both contexts from one stacked projection
     eng.proposer.FLUSH_AFTER = 1  # the recovery context filled whenever the first drafter's is
     max_new = [40, 30, 45, 20, 35]
     for k, (p, n) in enumerate(zip(prompts, max_new)):

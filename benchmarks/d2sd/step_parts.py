@@ -8,6 +8,9 @@ each figure is the median over the rounds, a ratio to dflash the median of the
 ratios within each round.
 
     python benchmarks/d2sd/step_parts.py --out benchmarks/d2sd/step_parts.json
+    python benchmarks/d2sd/step_parts.py --sources first,joint --out benchmarks/d2sd/step_parts_joint.json
+
+--sources picks the d2sd branch sources timed beside dflash (default: first, auto, recovery).
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ PARTS = [
     (d2sd_engine.D2SDEngine, "_branches"),
     (d2sd_engine.D2SDEngine, "_first_drafter_branches"),
     (d2sd_engine.D2SDEngine, "_walk"),
+    (d2sd_engine.D2SDEngine, "_joint_logits"),
+    (d2sd_engine.D2SDEngine, "_joint_branches"),
+    (d2sd_engine.D2SDEngine, "_draft_trees"),
+    (TreeProposer, "extend_context"),
+    (TreeProposer, "propose_joint"),
     (TreeProposer, "catch_up"),
     (TreeProposer, "propose_branches"),
     (d2sd_engine, "tree_forward"),
@@ -77,6 +85,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sources", default="first,auto,recovery",
+                    help="d2sd branch sources to time beside dflash (first, auto, recovery, joint)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     totals: dict[str, float] = defaultdict(float)
@@ -86,14 +96,12 @@ def main(argv=None) -> int:
     cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
     wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
     tree = dict(tree_k=4, branch_len=4, branch_width=4, tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
-    engines = {
-        "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16),
-        "d2sd_first": d2sd_engine.D2SDEngine(pair.target, pair.drafter, None, branch_drafter="first",
-                                             **{**tree, "branch_len": 1}),
-        "d2sd_auto": d2sd_engine.D2SDEngine(pair.target, pair.drafter, recovery, branch_drafter="auto", **tree),
-        "d2sd_recovery": d2sd_engine.D2SDEngine(pair.target, pair.drafter, recovery, branch_drafter="recovery",
-                                                **tree),
-    }
+    engines = {"dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
+    for source in args.sources.split(","):
+        kw = {**tree, "branch_len": 1} if source == "first" else tree
+        engines[f"d2sd_{source}"] = d2sd_engine.D2SDEngine(pair.target, pair.drafter,
+                                                            None if source == "first" else recovery,
+                                                            branch_drafter=source, **kw)
     for eng in engines.values():
         eng.run(wl.requests(16, pair.stop_token_ids)[:4])  # warm-up, and the cost models' first fit
     runs: dict[str, list[dict]] = defaultdict(list)
@@ -115,12 +123,14 @@ def main(argv=None) -> int:
             per_round = [a[field] / b[field] for a, b in zip(runs[name], runs["dflash"])]
             r[key] = round(statistics.median(per_round), 3)
             r[key + "_rounds"] = [round(x, 3) for x in per_round]
-    report = {"command": "python benchmarks/d2sd/step_parts.py --out " + str(args.out),
+    sources = "" if args.sources == "first,auto,recovery" else f" --sources {args.sources}"
+    report = {"command": f"python benchmarks/d2sd/step_parts.py{sources} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats},
               "results": result,
               "note": "ms per decode step, medians over the repeats; nested parts are inside their callers "
                       "(dflash_decode_step holds dflash_draft and dflash_update_context; propose_branches holds catch_up; _branches holds propose_branches and the LM head; "
+                      "_draft_trees holds _chain_logits or _joint_logits (which holds propose_joint and the LM head), plan_tree and the branches; "
                       "ms_per_step includes prefill and admission, _decode_step does not)"}
     write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
     for name, r in result.items():

@@ -102,11 +102,12 @@ def plan_tree(
     first_rates: tuple[float, ...] | list[float] | None = None,
     first_start: float = 0.0,
 ) -> BranchPlan:
-    """conf, rho [n, S] (slots 1..S; rho may be a numpy array); cap [n] the most slots each row may verify; alts the
-    chances rho_2, rho_3, ... that a branch's further alternatives are right (at most
-    len(alts) of them per branch). branch_len and alts may also be given per slot ([S] and
-    [S, W-1]): with `--branch-drafter joint` slot 1's branch is the recovery drafter's, with its
-    rates and length, and the other slots' are the first drafter's one-node ranks. start: a first price to try (the previous step's plan value,
+    """conf, rho [n, S] (slots 1..S; rho may be a numpy array); cap [n] the most slots each row
+    may verify; alts the chances rho_2, rho_3, ... that a branch's further alternatives are
+    right (at most len(alts) of them per branch). branch_len and alts may also be given per
+    slot ([S] and [S, W-1]): with `--branch-drafter joint` slot 1's branch is the recovery
+    drafter's, with its rates and length, and the other slots' are the first drafter's one-node
+    ranks. start: a first price to try (the previous step's plan value,
     which is usually close), so the iteration mostly ends after two rounds instead of three or
     four; from any start the prices rise to the same fixed point once a real plan's value is
     the price.

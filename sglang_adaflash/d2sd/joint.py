@@ -4,20 +4,21 @@ The recovery drafter's block for the slot-1 recovery point holds the last commit
 masks from slot 1 on: exactly the first drafter's block. That branch therefore needs nothing
 from the chain, and both drafters can read the same block in the same pass. Both are DFlash
 drafters of one shape, so their weights are stacked along a leading axis of two and every
-matmul of the pass is one batched matmul over the pair: the ops (and, on a CPU or a launch-bound
-GPU, the time) of one drafter forward, with twice its arithmetic. The same holds for the
-projection of the committed target features into both drafters' context K/V.
+matmul of the pass is one batched matmul over the pair: the ops of one drafter forward, with
+twice its arithmetic and twice the weights to read. The same holds for the projection of the
+committed target features into both drafters' context K/V.
 
-On the embedded pair at c=1 the pair's forward took about 0.1 ms more than the first drafter's
-alone, against about 1 ms for a second, sequential recovery forward of one block
-(benchmarks/d2sd/README.md, "Joint drafting").
+On the embedded pair (one CPU thread, a 250-token context) the stacked pass took 1.41 ms
+against 1.09 for the first drafter's alone: the second drafter's weights are read every step,
+and on that CPU reading them costs more than their arithmetic (benchmarks/d2sd/joint_micro.py).
+A second, sequential recovery forward would add its own ops and its own launches on a GPU.
 
 The stacked weights are copies. Hot reload copies new weights into the first drafter in place
 (serving/reload/apply.py); every in-place write bumps a tensor's version counter, so the stack
-is rebuilt whenever a parameter the stack was made from has a new version. (Listing the
-modules' parameters every step cost 0.1 ms; the list is taken once, so replacing a parameter
-object instead of writing into it needs `refresh()`. Weights created under inference_mode keep no
-version counter; those are restacked on every call.)
+is rebuilt whenever a parameter the stack was made from has a new version. The parameter list
+is taken once (listing the modules' parameters on every call was a visible part of a step), so
+replacing a parameter object instead of writing into it needs `refresh()`. Weights created
+under inference_mode keep no version counter; those are restacked on every call.
 """
 
 from __future__ import annotations

@@ -38,16 +38,18 @@ CONTROLLERS = ("garbagecollector,deployment,replicaset,job,cronjob,serviceaccoun
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0,
              every: float = 0.2) -> Any:
-    """Poll `fn` until it returns something truthy; fail with `what` and the last value."""
+    """Poll `fn` until it returns something truthy; fail with `what` and the last value (or
+    the last lookup error: an object not there yet is polled again, not returned)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
         try:
             last = fn()
         except (KeyError, TypeError, IndexError, StopIteration) as e:
-            last = e
-        if last:
-            return last
+            last = e  # an exception object is truthy: it must not end the wait
+        else:
+            if last:
+                return last
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 

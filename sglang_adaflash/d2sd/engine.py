@@ -136,26 +136,34 @@ class D2SDEngine(SpecEngine):
         self._last_value = {"recovery": 0.0, "first": 0.0, "joint": 0.0}  # each source's last plan value: its next first price
         self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0,
                            "planned_steps": 0, "first_drafter_steps": 0, "plain_steps": 0,
-                           "idle_rows": 0}
+                           "idle_rows": 0, "chain_tail_reads": 0}
 
     # -- the two drafting calls (tests override them with oracles) -------------------------
-    def _chain_logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
-        """[n, B-1, V] logits of block slots 1..B-1 for the given rows."""
+    def _chain_logits(self, seqs: list[_Seq], rows: list[int], upto: int | None = None) -> torch.Tensor:
+        """[n, U, V] logits of block slots 1..U for the given rows: U = upto (at least; None: B-1).
+        The pass's states are kept for `_chain_tail`."""
         last = torch.tensor([seqs[i].last_token for i in rows], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
-        hidden = self.proposer.propose(last, ctx, None, slots=rows)
-        return self.drafter.logits(hidden[:, 1:])
+        self._chain_states = self.proposer.propose(last, ctx, None, slots=rows)[:, 1:]
+        return self.drafter.logits(self._chain_states[:, :upto])
 
-    def _joint_logits(self, seqs: list[_Seq], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both drafters in one stacked forward (joint.py): the chain's logits [n, B-1, V] and the
-        recovery drafter's at block slots 1..L [n, L, V] (L = the longest slot-1 branch), from
-        one LM-head call."""
+    def _joint_logits(self, seqs: list[_Seq], rows: list[int], upto: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both drafters in one stacked forward (joint.py): the chain's logits [n, U, V] (as
+        `_chain_logits`) and the recovery drafter's at block slots 1..L [n, L, V] (L = the
+        longest slot-1 branch), from one LM-head call."""
         last = torch.tensor([seqs[i].last_token for i in rows], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
         first, rec = self.proposer.propose_joint(last, ctx, rows)
+        self._chain_states = first[:, 1:]
+        u = self.block_size - 1 if upto is None else upto
         span = min(self.branch_len, self.block_size - 1)
-        logits = self.drafter.logits(torch.cat([first[:, 1:], rec[:, 1 : 1 + span]], 1))
-        return logits[:, : self.block_size - 1], logits[:, self.block_size - 1 :]
+        logits = self.drafter.logits(torch.cat([first[:, 1 : 1 + u], rec[:, 1 : 1 + span]], 1))
+        return logits[:, :u], logits[:, u:]
+
+    def _chain_tail(self, seqs: list[_Seq], rows: list[int], start: int) -> torch.Tensor:
+        """[n, B-1-start, V] logits of block slots start+1..B-1 of this step's drafting pass."""
+        return self.drafter.logits(self._chain_states[:, start:])
 
     def _branch_logits(self, seqs: list[_Seq], block_ids: torch.Tensor, rows: list[int],
                        read: torch.Tensor) -> torch.Tensor:
@@ -263,29 +271,24 @@ class D2SDEngine(SpecEngine):
                                torch.tensor(offered, device=self.device))
 
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
+        # a planned chain rarely reaches far into the block: the LM head reads the first slots,
+        # and the rest only when some chain was planned to the end of those (see CHAIN_HEAD_SLOTS)
+        head = self.CHAIN_HEAD_SLOTS if self.tree_rule == "load_aware" and self.trim_chain else None
+        head = head if head is not None and head < self.block_size - 1 else None
         if self.branch_drafter == "joint":
-            logits, self._joint_logits_now = self._joint_logits(seqs, rows)
+            logits, self._joint_logits_now = self._joint_logits(seqs, rows, upto=head)
         else:
-            logits = self._chain_logits(seqs, rows)  # [n, B-1, V]
+            logits = self._chain_logits(seqs, rows, upto=head)
         hot = [j for j, i in enumerate(rows) if not seqs[i].req.sampling.greedy]
-        q = logits.float().softmax(-1)
-        if hot:
-            temp, top_k, top_p = self._sampling_tensors([seqs[rows[j]] for j in hot], logits.shape[1])
-            q[hot] = filtered_probs(logits[hot].flatten(0, 1), temp, top_k, top_p).view(len(hot), logits.shape[1], -1)
-        top1, chain = q.max(-1)  # [n, B-1]: top1 is a distribution-only input to the plan (see tree_verify)
-        if hot:
-            owners = [seqs[rows[j]] for j in hot for _ in range(logits.shape[1])]
-            chain[hot] = self._sample(q[hot].flatten(0, 1), owners).view(len(hot), -1)
+        q, top1, chain = self._read_chain(seqs, rows, hot, logits)
         caps = torch.tensor([cap[i] for i in rows])  # host: the plan is solved there (plan_tree)
-        conf = self._calibrated(top1)
-        auto = self.branch_drafter == "auto"
-        rho, lens, alts = self._branch_rates(conf)
-        plan = plan_tree(conf, rho, caps, k=self.tree_k, branch_len=lens,
-                         beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
-                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain, alts=alts,
-                         start=self._last_value[self._source if self.branch_drafter in ("first", "joint") else "recovery"],
-                         first_rates=[self._alt_rate(w, self._first_obs) for w in range(self.branch_width)] if auto else None,
-                         first_start=self._last_value["first"])
+        plan = self._plan(seqs, rows, top1, caps)
+        read = top1.shape[1]
+        if read < self.block_size - 1 and bool(((plan.chain.cpu() - 1 >= read) & (caps - 1 > read)).any()):
+            tail = self._read_chain(seqs, rows, hot, self._chain_tail(seqs, rows, read))
+            q, top1, chain = (torch.cat([a, b], 1) for a, b in zip((q, top1, chain), tail))
+            self.tree_stats["chain_tail_reads"] += 1
+            plan = self._plan(seqs, rows, top1, caps)
         if self.branch_drafter not in ("first", "joint"):
             self._source = plan.source
         if plan.value == plan.value:  # nan under the fixed rule
@@ -310,6 +313,31 @@ class D2SDEngine(SpecEngine):
             n_chain = chain_len[j] - 1
             chain_q = q[j, :n_chain] if j in hot_set else None
             trees[i] = build_row(seqs[i].last_token, chain_l[j][:n_chain], branches.get(j, []), chain_q)
+
+    def _read_chain(self, seqs, rows: list[int], hot: list[int], logits: torch.Tensor):
+        """The drafter's distribution q [n, S, V] over slots of `logits` [n, S, V], its top
+        probability and the chain's tokens (greedy rows: the top token; sampled rows: a draw)."""
+        q = logits.float().softmax(-1)
+        if hot:
+            temp, top_k, top_p = self._sampling_tensors([seqs[rows[j]] for j in hot], logits.shape[1])
+            q[hot] = filtered_probs(logits[hot].flatten(0, 1), temp, top_k, top_p).view(len(hot), logits.shape[1], -1)
+        top1, chain = q.max(-1)  # [n, S]: top1 is a distribution-only input to the plan (see tree_verify)
+        if hot:
+            owners = [seqs[rows[j]] for j in hot for _ in range(logits.shape[1])]
+            chain[hot] = self._sample(q[hot].flatten(0, 1), owners).view(len(hot), -1)
+        return q, top1, chain
+
+    def _plan(self, seqs, rows: list[int], top1: torch.Tensor, caps: torch.Tensor):
+        """The tree plan over the chain's slots read so far (plan_tree)."""
+        conf = self._calibrated(top1)
+        auto = self.branch_drafter == "auto"
+        rho, lens, alts = self._branch_rates(conf)
+        return plan_tree(conf, rho, caps, k=self.tree_k, branch_len=lens,
+                         beta=self._beta(), cost=self._tree_cost_model(len(seqs), rows),
+                         trim_chain=self.tree_rule == "load_aware" and self.trim_chain, alts=alts,
+                         start=self._last_value[self._source if self.branch_drafter in ("first", "joint") else "recovery"],
+                         first_rates=[self._alt_rate(w, self._first_obs) for w in range(self.branch_width)] if auto else None,
+                         first_start=self._last_value["first"])
 
     def _branch_rates(self, conf: torch.Tensor):
         """The plan's rates: rho [n, S] of a branch's first token, the longest branch and the
@@ -478,6 +506,13 @@ class D2SDEngine(SpecEngine):
     # beats the two lazy ones: a call has a large fixed part (embedded pair, one CPU thread: a
     # call of 1-3 rows took 0.16 ms, one of 4-16 rows 0.3-0.6 ms), and few rows are wasted
     ONE_READ_ROWS = 32
+    # The LM head reads the chain's first slots only (each slot is a [V, H] product per row);
+    # slots past these are read only when some row's plan keeps its chain to the last slot read,
+    # and the plan is then made again over the whole block. A plan that stops short of the slots
+    # read is the whole block's plan: the load-aware rule keeps chain slot k only while its
+    # survival pays at the plan's price, survival only falls along the chain, and branches sit
+    # before the chain's end. On the embedded pair at c=1 planned chains had 2-6 proposals.
+    CHAIN_HEAD_SLOTS = 8
 
     def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:
         index = torch.tensor(rows, device=self.device)

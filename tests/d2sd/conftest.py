@@ -72,7 +72,8 @@ class OracleD2SD(D2SDEngine):
                 out[k, tok] = 9.0 if confident else 4.0
         return out
 
-    def _chain_logits(self, seqs, rows):
+    def _chain_full_logits(self, seqs, rows):
+        """[n, B-1, V]: every slot's logits (tests that bend the oracle override this)."""
         b = self.block_size
         outs = []
         for i in rows:
@@ -80,6 +81,13 @@ class OracleD2SD(D2SDEngine):
             outs.append(self._logits(self._continuation(hist, b - 1), True))
             self._chains[i] = outs[-1].argmax(-1).tolist()
         return torch.stack(outs)
+
+    def _chain_logits(self, seqs, rows, upto=None):
+        self._chain_full = self._chain_full_logits(seqs, rows)  # the engine's tail read slices it
+        return self._chain_full[:, :upto]
+
+    def _chain_tail(self, seqs, rows, start):
+        return self._chain_full[:, start:]
 
     def _branch_logits(self, seqs, block_ids, rows, read):
         b = self.block_size
@@ -94,11 +102,11 @@ class OracleD2SD(D2SDEngine):
             outs.append(out[read[m]])
         return torch.stack(outs)
 
-    def _joint_logits(self, seqs, rows):
+    def _joint_logits(self, seqs, rows, upto=None):
         """--branch-drafter joint: the chain, and the recovery oracle at slots 1..L of the block
         [last token, masks] (the chain's own block)."""
         b, span = self.block_size, min(self.branch_len, self.block_size - 1)
         ids = torch.full((len(rows), b), self.drafter.config.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([seqs[i].last_token for i in rows])
         read = torch.arange(1, 1 + span)[None].expand(len(rows), -1)
-        return self._chain_logits(seqs, rows), self._branch_logits(seqs, ids, rows, read)
+        return self._chain_logits(seqs, rows, upto), self._branch_logits(seqs, ids, rows, read)

@@ -91,11 +91,11 @@ class _OneGoodOneBad(OracleD2SD):
     """The oracle, right 90% of the time for requests with a "good" id and 10% for the others,
     so in one batch some rows draft while others sit out."""
 
-    def _chain_logits(self, seqs, rows):
+    def _chain_full_logits(self, seqs, rows):
         out = []
         for i in rows:
             self.error_rate = 0.1 if seqs[i].req.request_id.startswith("good") else 0.9
-            out.append(super()._chain_logits(seqs, [i]))
+            out.append(super()._chain_full_logits(seqs, [i]))
         return torch.cat(out)
 
 

@@ -229,8 +229,8 @@ def test_each_source_is_recorded_where_its_branches_were_tried(target, drafter):
     right: only the joint record wins."""
 
     class Decoy(OracleD2SD):
-        def _chain_logits(self, seqs, rows):
-            out = super()._chain_logits(seqs, rows)
+        def _chain_full_logits(self, seqs, rows):
+            out = super()._chain_full_logits(seqs, rows)
             for j in range(len(rows)):
                 for k in range(out.shape[1]):
                     top = out[j, k].topk(2).indices.tolist()

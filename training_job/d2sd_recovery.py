@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from sglang_adaflash.assets import chat_format as cf
+from sglang_adaflash.d2sd.shared_context import SHARING, tie_modules
 
 from . import dflash_offline as dfo
 from .data.common import atomic_write_text, read_jsonl
@@ -62,6 +63,7 @@ class RecoveryTrainConfig:
     save_dtype: str = "bfloat16"
     fail_share: float = 0.0  # anchors whose prefix ends where the first drafter first fails
     exclude_chain: bool = False  # slot p+1 trained without the first drafter's token
+    share: str | None = None  # modules used as the first drafter's, frozen (sglang_adaflash.d2sd.shared_context)
 
 
 def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random,
@@ -263,7 +265,7 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
     b = drafter.config.block_size
     for p in target.parameters():
         p.requires_grad_(False)
-    params = list(drafter.parameters())
+    params = [p for p in drafter.parameters() if p.requires_grad]  # (shared modules are the first's, frozen)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95))
     ckpt, step = work / "recovery_ckpt.pt", 0
     if ckpt.exists():
@@ -327,7 +329,8 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     dc = drafter.config
     raw = dict(dc.raw)
     ada = dict(raw.get("adaflash_config") or {})
-    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, dc.block_size - 2], initialised_from="dflash drafter")
+    shared = {"shared": cfg.share} if cfg.share else {}
+    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, dc.block_size - 2], initialised_from="dflash drafter", **shared)
     raw["adaflash_config"] = ada
     dc = dc.replace(raw=raw)
     dtype = getattr(torch, cfg.save_dtype)
@@ -349,6 +352,11 @@ def main(argv=None) -> int:
                     help="share of anchors whose prefix ends where the first drafter first fails")
     ap.add_argument("--exclude-chain", action="store_true",
                     help="train slot p+1 without the first drafter's token (the way the engine reads it)")
+    ap.add_argument("--share", choices=SHARING, default=None,
+                    help="use the first drafter's (--first) modules of this kind, frozen, and mark the "
+                         "checkpoint so that the engine ties them: 'context' (the context and block K/V "
+                         "path: one context cache for both drafters), 'attention' (also layer 0's queries "
+                         "and output projection)")
     ap.add_argument("--lr", type=float, default=RecoveryTrainConfig.lr)
     ap.add_argument("--seed", type=int, default=RecoveryTrainConfig.seed)
     ap.add_argument("--data", required=True, type=Path, help="regenerated responses (JSONL)")
@@ -365,7 +373,8 @@ def main(argv=None) -> int:
     if not 0.0 <= args.fail_share <= 1.0:
         ap.error(f"--fail-share must be in [0, 1], got {args.fail_share}")
     cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads, fail_share=args.fail_share,
-                              exclude_chain=args.exclude_chain, lr=args.lr, min_lr=args.lr / 10, seed=args.seed)
+                              exclude_chain=args.exclude_chain, lr=args.lr, min_lr=args.lr / 10, seed=args.seed,
+                              share=args.share)
     torch.set_num_threads(cfg.threads)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
@@ -376,6 +385,8 @@ def main(argv=None) -> int:
     first.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
     for prm in first.parameters():
         prm.requires_grad_(False)
+    if cfg.share:  # the same module objects: frozen with the first, and exported with its weights
+        tie_modules(drafter, first, cfg.share)
     domains = set(args.domains.split(","))
     seqs = [s for s in read_jsonl(args.data) if s.get("domain") in domains]
     ev = [s for s in read_jsonl(args.eval_data) if s.get("domain") in domains] if args.eval_data else seqs[:64]

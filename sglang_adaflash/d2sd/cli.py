@@ -11,6 +11,8 @@ from . import BRANCH_DRAFTERS, TREE_RULES
 from .cascade import BACKENDS as TREE_ATTENTION
 
 RECOVERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "recovery_drafter"
+# trained with the first drafter's context modules frozen (shared_context.py): one context cache
+RECOVERY_SHARED_DIR = RECOVERY_DIR.parent / "recovery_drafter_shared"
 
 
 @dataclass
@@ -29,7 +31,7 @@ class D2SDOptions:
 
 
 def _recovery_dir(text: str) -> str:
-    return str(RECOVERY_DIR) if text == "embedded" else text
+    return {"embedded": str(RECOVERY_DIR), "embedded-shared": str(RECOVERY_SHARED_DIR)}.get(text, text)
 
 
 def _count(text: str) -> int:
@@ -45,7 +47,9 @@ def _count(text: str) -> int:
 def add_d2sd_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mode d2sd (dual-drafter prefix trees)")
     g.add_argument("--recovery-drafter", metavar="DIR", type=_recovery_dir,
-                   help="variable-prefix recovery drafter checkpoint, or `embedded` for the bundled one")
+                   help="variable-prefix recovery drafter checkpoint, or `embedded` for the bundled one, "
+                        "or `embedded-shared` for the bundled one that shares the first drafter's "
+                        "context modules (one context cache; the faster with --branch-drafter joint)")
     g.add_argument("--tree-k", type=_count, default=D2SDOptions.tree_k,
                    help=f"most recovery branches per request and step (default {D2SDOptions.tree_k}; 0 = a chain)")
     g.add_argument("--branch-len", type=_count, default=D2SDOptions.branch_len,

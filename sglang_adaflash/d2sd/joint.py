@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..core.layers import apply_rope, attention
 from ..drafter.model import DFlashDrafter
+from .shared_context import sharing
 
 _SAME = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "head_dim", "rms_norm_eps", "rope_theta", "num_target_layers", "target_layer_ids", "block_size")
@@ -58,6 +59,14 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y * w.view(2, *([1] * (x.dim() - 2)), w.shape[-1])
 
 
+def _norm1(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] with one drafter's weight w [D] (the same numerics as _norm)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * w
+
+
 class JointDrafters:
     """Two same-shaped DFlash drafters as one: `forward` and `context_kv` return both results."""
 
@@ -75,6 +84,9 @@ class JointDrafters:
     def refresh(self) -> None:
         """Take the parameters again and restack (after parameters were replaced, not written)."""
         self._params = [p for d in (self.first, self.recovery) for p in d.parameters()]
+        # the recovery drafter uses the first's context modules, or its layer-0 attention too
+        # (shared_context.py): that part of layer 0 is then one drafter's work, not two
+        self.shared = sharing(self.first, self.recovery)
         # weights made under inference_mode keep no version counter: restacked on every call
         self._untracked = any(p.is_inference() for p in self._params)
         self._stamp = None
@@ -140,7 +152,10 @@ class JointDrafters:
         cos, sin = self.first.rope(block_positions, x.dtype)
         cos, sin = cos[None, :, :, None], sin[None, :, :, None]
         mask2 = mask.expand(n, 1, q_len, mask.shape[-1]).repeat(2, 1, 1, 1)
-        for layer, (ca, va), (cb, vb) in zip(w["layers"], ctx_first, ctx_recovery):
+        for i, (layer, (ca, va), (cb, vb)) in enumerate(zip(w["layers"], ctx_first, ctx_recovery)):
+            if i == 0 and self.shared:
+                x = self._shared_layer(layer, x, ca, va, cos, sin, mask)
+                continue
             hs = _norm(x, layer["input_layernorm"], self.eps)
             bk, bv = self._kv(layer, hs, cos, sin)  # [2, N, kvh, Q, hd]
             q = torch.bmm(hs.reshape(2, n * q_len, h), layer["self_attn.q_proj"]).view(2, n, q_len, self.nh, self.hd)
@@ -155,3 +170,31 @@ class JointDrafters:
             x = x + torch.bmm(up, layer["mlp.down_proj"]).view(2, n, q_len, h)
         x = _norm(x, w["norm"], self.eps)
         return x[0], x[1]
+
+    def _shared_layer(self, layer: dict, x: torch.Tensor, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
+        """Layer 0 when modules are shared (shared_context.py): both drafters see the same block
+        input through the same input norm and K/V projections, so the block K/V are made once.
+        With "context" both drafters' queries attend them in one call (stacked along the query
+        axis: every block row has the same mask row); with "attention" the attention output is
+        one drafter's. x [2, N, Q, H] (the two identical) -> [2, N, Q, H]."""
+        _, n, q_len, h = x.shape
+        hs = _norm1(x[0], layer["input_layernorm"][0], self.eps)  # [N, Q, H]
+        k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
+        k = apply_rope(_norm1(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+        v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        if self.shared == "attention":
+            q = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
+            q = apply_rope(_norm1(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+            out = attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1)
+            x = x + (out @ layer["self_attn.o_proj"][0])[None]
+        else:
+            q = torch.bmm(hs.reshape(1, n * q_len, h).expand(2, -1, -1), layer["self_attn.q_proj"])
+            q = apply_rope(_norm(q.view(2, n, q_len, self.nh, self.hd), layer["self_attn.q_norm"], self.eps), cos, sin)
+            q = q.permute(1, 3, 0, 2, 4).reshape(n, self.nh, 2 * q_len, self.hd)  # [N, nh, 2Q, hd]
+            out = attention(q, k, v, torch.cat([mask, mask], dim=2))
+            out = out.view(n, self.nh, 2, q_len, self.hd).permute(2, 0, 3, 1, 4).reshape(2, n * q_len, -1)
+            x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
+        hs2 = _norm(x, layer["post_attention_layernorm"], self.eps).reshape(2, n * q_len, h)
+        up = F.silu(torch.bmm(hs2, layer["mlp.gate_proj"])) * torch.bmm(hs2, layer["mlp.up_proj"])
+        return x + torch.bmm(up, layer["mlp.down_proj"]).view(2, n, q_len, h)

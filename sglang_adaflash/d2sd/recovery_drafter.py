@@ -25,6 +25,7 @@ from ..drafter.checkpoint import CheckpointError, load_drafter, read_config
 from ..drafter.model import DFlashDrafter
 from ..engine.proposer import DFlashProposer, write_context
 from .joint import JointDrafters
+from .shared_context import SHARING, sharing, tie_modules
 
 RECOVERY_KEY = "recovery_drafter"
 RECOVERY_FORMAT = 1
@@ -50,7 +51,13 @@ def check_recovery_config(cfg, first, where: str) -> None:
             f"{where}: adaflash_config.{RECOVERY_KEY} is {marker!r}; this engine reads format "
             f"{RECOVERY_FORMAT} with prefix 'variable'"
         )
-    for name in _MATCH:
+    shared = marker.get("shared")
+    if shared is not None and shared not in SHARING:
+        raise CheckpointError(f"{where}: adaflash_config.{RECOVERY_KEY}.shared is {shared!r}; this engine "
+                              f"reads one of {', '.join(SHARING)} (or no key: nothing shared)")
+    match = _MATCH + (("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "intermediate_size") if shared is not None else ())
+    for name in match:
         a, b = getattr(cfg, name), getattr(first.config, name)
         if a != b:
             raise CheckpointError(
@@ -60,12 +67,20 @@ def check_recovery_config(cfg, first, where: str) -> None:
 
 
 def load_recovery_drafter(path: str | os.PathLike, first: DFlashDrafter, *, dtype=None, device="cpu") -> DFlashDrafter:
-    """Loads and checks a recovery checkpoint against the first drafter. Raises CheckpointError."""
+    """Loads and checks a recovery checkpoint against the first drafter. Raises CheckpointError.
+
+    A checkpoint marked `"shared": KIND` was trained with the first drafter's modules of that
+    kind frozen (training_job.d2sd_recovery --share KIND, shared_context.py): they are tied to
+    the first drafter's here."""
     if not os.path.isdir(path):
         raise CheckpointError(f"recovery drafter {path} does not exist or is not a directory")
     cfg = read_config(path)  # a missing or broken config.json fails here, before any weights
     check_recovery_config(cfg, first, str(path))
-    return load_drafter(path, dtype=dtype or first.fc.weight.dtype, device=device)
+    recovery = load_drafter(path, dtype=dtype or first.fc.weight.dtype, device=device)
+    kind = ((cfg.raw.get("adaflash_config") or {}).get(RECOVERY_KEY) or {}).get("shared")
+    if kind is not None:
+        tie_modules(recovery, first, kind)
+    return recovery
 
 
 class TreeProposer(DFlashProposer):
@@ -94,7 +109,12 @@ class TreeProposer(DFlashProposer):
         # slot -> [(start, features [A, K*H])], contiguous in position: not yet in rcache
         self._lag: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.lag_flushes = 0  # batched catch-up calls (tests and benchmarks read it)
+        # a recovery drafter with the first's context modules (shared_context.py) reads its cache
+        self.shared_context = sharing(drafter, recovery) is not None
         if recovery is None:
+            return
+        if self.shared_context:
+            self.rcache = self.cache
             return
         cfg = recovery.config
         ref = recovery.fc.weight
@@ -103,6 +123,9 @@ class TreeProposer(DFlashProposer):
 
     @torch.inference_mode()
     def extend_context(self, target_hidden, starts, slots) -> None:
+        if self.shared_context:  # one cache for both
+            super().extend_context(target_hidden, starts, slots)
+            return
         if self.joint is not None:
             self._extend_both(target_hidden, starts, slots)
             return
@@ -142,7 +165,8 @@ class TreeProposer(DFlashProposer):
         `slots`, in one stacked forward -> (first's, recovery's) block states, each [n, B, H]."""
         embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens)
         n = len(last_tokens)
-        ctx_first, ctx_rec = (self.context(cache, slots, n, c) for cache in (self.cache, self.rcache))
+        ctx_first = self.context(self.cache, slots, n, c)
+        ctx_rec = ctx_first if self.shared_context else self.context(self.rcache, slots, n, c)
         return self.joint.forward(embeds, positions, ctx_first, ctx_rec, mask)
 
     @torch.inference_mode()
@@ -171,7 +195,7 @@ class TreeProposer(DFlashProposer):
 
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)
-        if self.rcache is None or src == dst:
+        if self.rcache is None or self.shared_context or src == dst:
             return
         self.rcache.move(src, dst, length)
         self._lag.pop(dst, None)

@@ -217,3 +217,23 @@ def test_joint_drafting_serves_equal_to_ar_and_refuses_another_shape(tiny_pair, 
     rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", other, "--branch-drafter", "recovery")
     assert rc == 0, err
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+
+
+def test_a_shared_module_marker_ties_serves_equal_to_ar_and_a_bad_one_is_refused(tiny_pair, tmp_path, capsys):
+    """A checkpoint marked `shared` (training_job.d2sd_recovery --share) serves every source
+    equal to ar; an unknown kind, or a shared checkpoint of another shape, is refused."""
+    ar = _generate(capsys, tiny_pair, mode="ar")[1]
+    for kind in ("context", "attention"):
+        rec = make_recovery(tiny_pair.drafter_dir, tmp_path / kind, marker=recovery_marker(shared=kind))
+        for source in ("joint", "recovery"):
+            rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", rec, "--branch-drafter", source,
+                                     "--tree-k", 3, "--branch-width", 2)
+            assert rc == 0, err
+            assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+    bad = make_recovery(tiny_pair.drafter_dir, tmp_path / "bad", marker=recovery_marker(shared="everything"))
+    _refused(capsys, tiny_pair, bad, "shared", "everything")
+    other = make_recovery(tiny_pair.drafter_dir, tmp_path / "other", marker=recovery_marker(shared="context"))
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_attention_heads"] *= 2  # refused from config.json alone, before any weights are read
+    (other / "config.json").write_text(json.dumps(cfg))
+    _refused(capsys, tiny_pair, other, "num_attention_heads", "first drafter")

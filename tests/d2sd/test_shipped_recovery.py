@@ -26,3 +26,27 @@ def test_shipped_recovery_drafter_fits_the_shipped_pair():
     assert not torch.equal(rec.layers[0].mlp.up_proj.weight, first.layers[0].mlp.up_proj.weight.to(rec.fc.weight.dtype))
     ev = manifest["eval"]
     assert ev["trained"]["continuation_accepted_mean"] > ev["init"]["continuation_accepted_mean"]
+
+
+def test_shipped_shared_recovery_drafter_ties_to_the_shipped_first_drafter():
+    """`--recovery-drafter embedded-shared`: trained with the first drafter's context modules
+    frozen, so its stored copies of them are the first drafter's, and it loads tied."""
+    from sglang_adaflash.d2sd.cli import RECOVERY_SHARED_DIR, _recovery_dir
+    from sglang_adaflash.d2sd.shared_context import shared_modules, sharing
+    from sglang_adaflash.drafter.checkpoint import read_config
+
+    assert _recovery_dir("embedded-shared") == str(RECOVERY_SHARED_DIR)
+    assert _recovery_dir("embedded") == str(RECOVERY_DIR) and _recovery_dir("x/y") == "x/y"
+    verify_manifest_files(RECOVERY_SHARED_DIR)
+    manifest = json.loads((RECOVERY_SHARED_DIR / "manifest.json").read_text())
+    assert target_matches(manifest["target"], assets.TARGET_DIR)
+    assert manifest["training"]["config"]["share"] == "context"
+    first = load_drafter(assets.DRAFTER_DIR, dtype=torch.float32)
+    stored = load_drafter(RECOVERY_SHARED_DIR, dtype=torch.float32)  # untied: the file as written
+    for name in shared_modules(first.config, "context"):
+        assert torch.equal(stored.get_submodule(name).weight, first.get_submodule(name).weight), name
+    assert not torch.equal(stored.layers[0].mlp.up_proj.weight, first.layers[0].mlp.up_proj.weight)
+    assert read_config(RECOVERY_SHARED_DIR).raw["adaflash_config"][RECOVERY_KEY]["shared"] == "context"
+    assert sharing(first, load_recovery_drafter(RECOVERY_SHARED_DIR, first)) == "context"
+    ev = manifest["eval"]
+    assert ev["trained"]["continuation_accepted_mean"] > ev["init"]["continuation_accepted_mean"]

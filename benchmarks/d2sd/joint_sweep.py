@@ -2,11 +2,13 @@
 
 Serves the 16 in-domain prompts of prompts16.jsonl one request at a time (float32, one torch
 thread) with dflash, the one-drafter tree (`first`, tree-k 4, width 4) and joint trees of
-several sizes under the load-aware rule, interleaved over --repeats rounds so that a slow
-spell of the shared machine hits every engine of a round. Each figure is the median over the
-rounds of the ratio to the same round's dflash. `--price-scale` also runs the default joint tree
-with the plan's verify-token price scaled (0.5 = tokens priced at half their measured cost),
-which shows how flat the plan's objective is around its choice. Every output is checked
+several sizes under the load-aware rule, with the shipped recovery drafter and with the one
+that shares the first drafter's context modules (`embedded-shared`), interleaved over
+--repeats rounds so that a slow spell of the shared machine hits every engine of a round.
+Each figure is the median over the rounds of the ratio to the same round's dflash.
+`--price-scale` also runs the default joint tree with the plan's verify-token price scaled
+(0.5 = tokens priced at half their measured cost), which shows how flat the plan's objective
+is around its choice. Every output is checked
 against `ar`'s, token for token.
 
     python benchmarks/d2sd/joint_sweep.py --out benchmarks/d2sd/joint_sweep.json
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.runner import BenchConfig, build_workload  # noqa: E402
-from sglang_adaflash.d2sd.cli import RECOVERY_DIR  # noqa: E402
+from sglang_adaflash.d2sd.cli import RECOVERY_DIR, RECOVERY_SHARED_DIR  # noqa: E402
 from sglang_adaflash.d2sd.engine import D2SDEngine  # noqa: E402
 from sglang_adaflash.d2sd.recovery_drafter import load_recovery_drafter  # noqa: E402
 from sglang_adaflash.engine.engine import EngineStats  # noqa: E402
@@ -39,13 +41,17 @@ from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 from sglang_adaflash.launch.prompts import read_prompts  # noqa: E402
 
 PROMPTS = ROOT / "benchmarks" / "d2sd" / "prompts16.jsonl"
-# name: (branch drafter, tree-k, branch-width, branch-len)
+# name: (branch drafter, tree-k, branch-width, branch-len, recovery drafter)
 TREES = {
-    "first k4 w4": ("first", 4, 4, 1),
-    "joint k4 w4 l4": ("joint", 4, 4, 4),
-    "joint k2 w4 l2": ("joint", 2, 4, 2),
-    "joint k3 w3 l2": ("joint", 3, 3, 2),
-    "joint k1 w4 l2": ("joint", 1, 4, 2),
+    "first k4 w4": ("first", 4, 4, 1, None),
+    "joint k4 w4 l4": ("joint", 4, 4, 4, "embedded"),
+    "joint k2 w4 l2": ("joint", 2, 4, 2, "embedded"),
+    "joint k3 w3 l2": ("joint", 3, 3, 2, "embedded"),
+    "joint k1 w4 l2": ("joint", 1, 4, 2, "embedded"),
+    # the recovery drafter that shares the first drafter's context modules (one context cache)
+    "joint-shared k4 w4 l4": ("joint", 4, 4, 4, "embedded-shared"),
+    "joint-shared k2 w4 l2": ("joint", 2, 4, 2, "embedded-shared"),
+    "joint-shared k3 w3 l2": ("joint", 3, 3, 2, "embedded-shared"),
 }
 
 
@@ -69,12 +75,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
     recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
+    recoveries = {"embedded": recovery, "embedded-shared": load_recovery_drafter(RECOVERY_SHARED_DIR, pair.drafter),
+                  None: None}
     cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
     wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
     engines = {"ar": make_engine(pair, "ar", 1, 600, 0, num_requests=16),
                "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
-    for name, (src, k, w, ln) in TREES.items():
-        engines[name] = D2SDEngine(pair.target, pair.drafter, recovery if src != "first" else None,
+    for name, (src, k, w, ln, rec) in TREES.items():
+        engines[name] = D2SDEngine(pair.target, pair.drafter, recoveries[rec],
                                    branch_drafter=src, tree_k=k, branch_width=w, branch_len=ln,
                                    tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
     for scale in args.price_scale:
@@ -108,7 +116,8 @@ def main(argv=None) -> int:
             "vs_dflash_tokens_per_s": round(statistics.median(ratio), 3),
             "vs_dflash_tokens_per_s_rounds": [round(x, 3) for x in ratio],
         }
-    report = {"command": "python benchmarks/d2sd/joint_sweep.py --out " + str(args.out),
+    scales = "" if args.price_scale == [0.5, 1.5] else " ".join([" --price-scale", *map(str, args.price_scale)])
+    report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats, "tree_rule": "load_aware"},
               "equal_to_ar": equal, "results": results}

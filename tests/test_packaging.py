@@ -27,6 +27,9 @@ ASSET_FILES = (
     "sglang_adaflash/assets/models/target/tokenizer.json",
     "sglang_adaflash/assets/models/drafter/model.safetensors",
     "sglang_adaflash/assets/models/drafter/manifest.json",
+    "sglang_adaflash/assets/models/recovery_drafter/model.safetensors",
+    "sglang_adaflash/assets/models/recovery_drafter_shared/model.safetensors",
+    "sglang_adaflash/assets/models/recovery_drafter_shared/manifest.json",
     "sglang_adaflash/assets/workloads/math.heldout.jsonl",
 )
 

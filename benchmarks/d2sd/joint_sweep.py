@@ -117,7 +117,8 @@ def main(argv=None) -> int:
             "vs_dflash_tokens_per_s_rounds": [round(x, 3) for x in ratio],
         }
     scales = "" if args.price_scale == [0.5, 1.5] else " ".join([" --price-scale", *map(str, args.price_scale)])
-    report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales} --out {args.out}",
+    repeats = "" if args.repeats == 3 else f" --repeats {args.repeats}"
+    report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales}{repeats} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats, "tree_rule": "load_aware"},
               "equal_to_ar": equal, "results": results}

@@ -14,6 +14,11 @@ and on that CPU a matmul of this size took 69 us with weights that do not stay i
 cache against 43 us with weights that do (benchmarks/d2sd/joint_micro.py).
 A second, sequential recovery forward would add its own ops and its own launches on a GPU.
 
+A recovery drafter that shares the first drafter's context modules (shared_context.py) needs
+no second context: both read the first drafter's cache, and layer 0's block K/V, the same for
+both, are made once (`_shared_layer`). That took the joint trees from 1.08-1.11x to
+1.11-1.16x dflash's throughput at c=1 in the sweeps of benchmarks/d2sd/README.md.
+
 The stacked weights are copies. Hot reload copies new weights into the first drafter in place
 (serving/reload/apply.py); every in-place write bumps a tensor's version counter, so the stack
 is rebuilt whenever a parameter the stack was made from has a new version. The parameter list

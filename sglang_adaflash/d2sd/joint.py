@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.layers import apply_rope, attention
+from ..core.layers import apply_rope, attention, rms_norm
 from ..drafter.model import DFlashDrafter
 from .shared_context import sharing
 
@@ -62,14 +62,6 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     else:
         y = F.rms_norm(x, (x.shape[-1],), None, eps)
     return y * w.view(2, *([1] * (x.dim() - 2)), w.shape[-1])
-
-
-def _norm1(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., D] with one drafter's weight w [D] (the same numerics as _norm)."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-    return F.rms_norm(x, (x.shape[-1],), None, eps) * w
 
 
 class JointDrafters:
@@ -183,14 +175,14 @@ class JointDrafters:
         axis: every block row has the same mask row); with "attention" the attention output is
         one drafter's. x [2, N, Q, H] (the two identical) -> [2, N, Q, H]."""
         _, n, q_len, h = x.shape
-        hs = _norm1(x[0], layer["input_layernorm"][0], self.eps)  # [N, Q, H]
+        hs = rms_norm(x[0], layer["input_layernorm"][0], self.eps)  # [N, Q, H]
         k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
-        k = apply_rope(_norm1(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+        k = apply_rope(rms_norm(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
         v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         if self.shared == "attention":
             q = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
-            q = apply_rope(_norm1(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+            q = apply_rope(rms_norm(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
             out = attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1)
             x = x + (out @ layer["self_attn.o_proj"][0])[None]
         else:

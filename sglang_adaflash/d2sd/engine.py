@@ -511,7 +511,7 @@ class D2SDEngine(SpecEngine):
     # and the plan is then made again over the whole block. A plan that stops short of the slots
     # read is the whole block's plan: the load-aware rule keeps chain slot k only while its
     # survival pays at the plan's price, survival only falls along the chain, and branches sit
-    # before the chain's end. On the embedded pair at c=1 planned chains had 2-6 proposals.
+    # before the chain's end. In the embedded pair's joint bench runs no step read the rest.
     CHAIN_HEAD_SLOTS = 8
 
     def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:

@@ -181,15 +181,20 @@ def test_mode_ar_serves_without_a_drafter_and_says_why_it_cannot_reload(pair, tm
     assert "adaflash_spec_drafts_total{" not in server.get("/metrics").text  # ar drafts nothing
 
 
-def test_joint_drafting_follows_a_hot_reload(pair, tmp_path, live_server):
+@pytest.mark.parametrize("shared", [None, "context"])
+def test_joint_drafting_follows_a_hot_reload(pair, tmp_path, live_server, shared):
     """`serve --mode d2sd --branch-drafter joint`: the two drafters run as one stacked pass, a
     copy of their weights; a reloaded first drafter (written in place) is what the next pass
-    reads, and T=0 answers stay those of plain decoding before and after."""
+    reads, and T=0 answers stay those of plain decoding before and after. A recovery drafter
+    sharing the first's context modules reads the reloaded ones (the same objects)."""
+    from sglang_adaflash.d2sd.recovery_drafter import recovery_marker
+
     from ..d2sd.test_recovery_checkpoint import make_recovery
 
     home = tmp_path / "home"
     v1 = publish_pair_drafter(home, pair)
-    rec = make_recovery(pair.drafter_dir, tmp_path / "rec")
+    rec = make_recovery(pair.drafter_dir, tmp_path / "rec",
+                        marker=recovery_marker(shared=shared) if shared else True)
     common = ["--target", str(pair.target_dir), "--home", str(home), "--model-name", MODEL, "--no-traffic"]
     ar = live_server([*common, "--mode", "ar"]).openai()
     server = live_server([*common, "--mode", "d2sd", "--recovery-drafter", str(rec), "--branch-drafter", "joint",
@@ -212,3 +217,7 @@ def test_joint_drafting_follows_a_hot_reload(pair, tmp_path, live_server):
     assert answers() == want
     assert joint.rebuilds > built
     torch.testing.assert_close(joint._weights()["fc"][0], engine.drafter.fc.weight.t())
+    assert engine.proposer.shared_context == (shared is not None)
+    if shared:
+        assert engine.recovery.fc is engine.drafter.fc
+        torch.testing.assert_close(joint._weights()["fc"][1], engine.drafter.fc.weight.t())

@@ -273,8 +273,9 @@ class D2SDEngine(SpecEngine):
     def _draft_trees(self, seqs, rows: list[int], cap: list[int], trees: list[TreeRow]) -> None:
         # a planned chain rarely reaches far into the block: the LM head reads the first slots,
         # and the rest only when some chain was planned to the end of those (see CHAIN_HEAD_SLOTS)
-        head = self.CHAIN_HEAD_SLOTS if self.tree_rule == "load_aware" and self.trim_chain else None
-        head = head if head is not None and head < self.block_size - 1 else None
+        head = self.CHAIN_HEAD_SLOTS
+        if self.tree_rule != "load_aware" or not self.trim_chain or head is None or head >= self.block_size - 1:
+            head = None  # the whole block: the fixed rule verifies whole chains
         if self.branch_drafter == "joint":
             logits, self._joint_logits_now = self._joint_logits(seqs, rows, upto=head)
         else:

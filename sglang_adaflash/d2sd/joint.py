@@ -148,7 +148,7 @@ class JointDrafters:
         x = block_embeds.to(w["fc"].dtype)[None].expand(2, -1, -1, -1)  # [2, N, Q, H]
         cos, sin = self.first.rope(block_positions, x.dtype)
         cos, sin = cos[None, :, :, None], sin[None, :, :, None]
-        mask2 = mask.expand(n, 1, q_len, mask.shape[-1]).repeat(2, 1, 1, 1)
+        mask2 = None
         for i, (layer, (ca, va), (cb, vb)) in enumerate(zip(w["layers"], ctx_first, ctx_recovery)):
             if i == 0 and self.shared:
                 x = self._shared_layer(layer, x, ca, va, cos, sin, mask)
@@ -159,12 +159,12 @@ class JointDrafters:
             q = apply_rope(_norm(q, layer["self_attn.q_norm"], self.eps), cos, sin).transpose(2, 3)
             k = torch.cat([torch.cat([ca, cb]), bk.flatten(0, 1)], dim=2)  # [2N, kvh, C+Q, hd]
             v = torch.cat([torch.cat([va, vb]), bv.flatten(0, 1)], dim=2)
+            if mask2 is None:  # both drafters' rows: the same mask twice
+                mask2 = mask.expand(n, 1, q_len, mask.shape[-1]).repeat(2, 1, 1, 1)
             out = attention(q.flatten(0, 1), k, v, mask2)  # [2N, nh, Q, hd]
             out = out.view(2, n, self.nh, q_len, self.hd).transpose(2, 3).reshape(2, n * q_len, -1)
             x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
-            hs = _norm(x, layer["post_attention_layernorm"], self.eps).reshape(2, n * q_len, h)
-            up = F.silu(torch.bmm(hs, layer["mlp.gate_proj"])) * torch.bmm(hs, layer["mlp.up_proj"])
-            x = x + torch.bmm(up, layer["mlp.down_proj"]).view(2, n, q_len, h)
+            x = self._mlp(layer, x)
         x = _norm(x, w["norm"], self.eps)
         return x[0], x[1]
 
@@ -192,6 +192,10 @@ class JointDrafters:
             out = attention(q, k, v, torch.cat([mask, mask], dim=2))
             out = out.view(n, self.nh, 2, q_len, self.hd).permute(2, 0, 3, 1, 4).reshape(2, n * q_len, -1)
             x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
-        hs2 = _norm(x, layer["post_attention_layernorm"], self.eps).reshape(2, n * q_len, h)
-        up = F.silu(torch.bmm(hs2, layer["mlp.gate_proj"])) * torch.bmm(hs2, layer["mlp.up_proj"])
-        return x + torch.bmm(up, layer["mlp.down_proj"]).view(2, n, q_len, h)
+        return self._mlp(layer, x)
+
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        """The residual MLP block of both drafters, stacked: x [2, N, Q, H] -> [2, N, Q, H]."""
+        hs = _norm(x, layer["post_attention_layernorm"], self.eps).flatten(1, 2)
+        up = F.silu(torch.bmm(hs, layer["mlp.gate_proj"])) * torch.bmm(hs, layer["mlp.up_proj"])
+        return x + torch.bmm(up, layer["mlp.down_proj"]).view(x.shape)

@@ -199,13 +199,11 @@ class D2SDEngine(SpecEngine):
         fwd = tree_forward(self.target, self.cache, flat, starts, self._cascade)
         results = self._walk(seqs, trees, fwd)
         width = max(len(r.path) for r in results)
-        paths = torch.zeros(bs, width, dtype=torch.long)
-        for i, r in enumerate(results):
-            paths[i, : len(r.path)] = torch.tensor(r.path)
-        paths = paths.to(self.device)
-        commit_paths(self.cache, fwd.node_kv, paths, starts)
+        # on the host, each path padded with the identity (commit_paths moves no chain node)
+        paths = torch.tensor([r.path + list(range(len(r.path), width)) for r in results], dtype=torch.long)
+        commit_paths(self.cache, fwd, paths, starts)
         if fwd.aux is not None:
-            self._extend_contexts(seqs, drafted, gather_nodes(fwd.aux, paths), starts)
+            self._extend_contexts(seqs, drafted, gather_nodes(fwd.aux, paths.to(self.device)), starts)
         self._observe_branches(trees, results, cap)
         self._observe_chain(results)
         if self._draft_off:

@@ -37,8 +37,8 @@ def target():
     return t
 
 
-def _prefill(target, prompts):
-    cache = target.new_cache(len(prompts), 64)
+def _prefill(target, prompts, capacity=64):
+    cache = target.new_cache(len(prompts), capacity)
     target.forward(TargetBatch.from_lists(prompts, [0] * len(prompts)), cache)
     return cache, torch.tensor([len(p) for p in prompts])
 
@@ -53,14 +53,21 @@ def test_ancestor_matrix():
     assert anc[9].nonzero().flatten().tolist() == [0, 1, 2, 8, 9]
 
 
-@pytest.mark.parametrize("cascade", [None, "torch"])
-def test_every_node_matches_a_plain_forward_of_its_path(target, cascade):
+# where the nodes' K/V sit: in the cache past the context (the masked path's default), aside
+# because the tree does not fit there (a 16-entry cache: context 7 + 10 nodes), aside for a cascade
+PLACES = {"in_cache": (64, None), "aside_no_room": (16, None), "aside_cascade": (64, "torch")}
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+def test_every_node_matches_a_plain_forward_of_its_path(target, place):
     """The masked call, and the two-level cascade (context and nodes attended apart, merged)."""
+    capacity, cascade = PLACES[place]
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
-    cache, starts = _prefill(target, prompts)
+    cache, starts = _prefill(target, prompts, capacity)
     rows = _trees()
     flat = flatten(rows, "cpu")
     fwd = tree_forward(target, cache, flat, starts, TorchCascade() if cascade else None)
+    assert (fwd.node_kv is None) == (place == "in_cache")
     every = fwd.logits  # computed from the final states on each read
     for b, (prompt, row) in enumerate(zip(prompts, rows)):
         for node in range(row.size):
@@ -78,16 +85,19 @@ def test_every_node_matches_a_plain_forward_of_its_path(target, cascade):
             torch.testing.assert_close(fwd.aux[b, node], want, rtol=1e-5, atol=1e-6)
 
 
-def test_committed_path_kv_equals_a_chain_verify_of_the_path(target):
+@pytest.mark.parametrize("place", list(PLACES))
+def test_committed_path_kv_equals_a_chain_verify_of_the_path(target, place):
+    capacity, cascade = PLACES[place]
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
     rows = _trees()
     paths = [[0, 5, 6, 7], [0, 1], [0]]  # a branch path, a chain path, node 0 only
-    cache, starts = _prefill(target, prompts)
-    fwd = tree_forward(target, cache, flatten(rows, "cpu"), starts)
+    cache, starts = _prefill(target, prompts, capacity)
+    fwd = tree_forward(target, cache, flatten(rows, "cpu"), starts, TorchCascade() if cascade else None)
+    assert (fwd.node_kv is None) == (place == "in_cache")
     width = max(map(len, paths))
-    idx = torch.tensor([p + [0] * (width - len(p)) for p in paths])
-    commit_paths(cache, fwd.node_kv, idx, starts)
-    ref, _ = _prefill(target, prompts)
+    idx = torch.tensor([p + list(range(len(p), width)) for p in paths])
+    commit_paths(cache, fwd, idx, starts)
+    ref, _ = _prefill(target, prompts, capacity)
     toks = [[row.tokens[i] for i in p] for row, p in zip(rows, paths)]
     ref_logits, ref_aux = target.forward(TargetBatch.from_lists(toks, starts.tolist()), ref)
     for layer in range(target.num_layers):
@@ -158,3 +168,17 @@ def test_parents_that_loop_are_refused_not_walked_forever():
 
     with pytest.raises(ValueError, match="cycle"):
         flatten([TreeRow([1, 2, 3], [-1, 2, 1], [0, 1, 2], [None] * 3)], "cpu")
+
+
+def test_nodes_kv_reads_the_same_kv_from_the_cache_as_kept_aside(target):
+    """The in-cache forward's node K/V, read back by index, equal the ones a cascade keeps aside."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [2, 7]]
+    flat = flatten(_trees(), "cpu")
+    got = []
+    for cascade in (None, TorchCascade()):
+        cache, starts = _prefill(target, prompts)
+        fwd = tree_forward(target, cache, flat, starts, cascade)
+        got.append(fwd.nodes_kv(cache, starts))
+    for (k, v), (k_aside, v_aside) in zip(*got):
+        torch.testing.assert_close(k, k_aside, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(v, v_aside, rtol=1e-10, atol=1e-10)

@@ -35,18 +35,19 @@ def test_flashinfer_tree_forward_matches_the_masked_path(dtype):
     rows = [build_row(7, [11, 12, 13, 14], [Branch(1, [21, 22, 23]), Branch(3, [31, 32])]),
             build_row(5, [40], [Branch(1, [41])]), build_row(9, [], [])]
     flat = flatten(rows, "cuda")
-    outs = []
+    outs, kvs = [], []
     for backend in ("masked", "flashinfer"):
         cache = target.new_cache(len(prompts), 128)
         target.forward(TargetBatch.from_lists(prompts, [0] * len(prompts), device="cuda"), cache)
         starts = torch.tensor([len(p) for p in prompts], device="cuda")
         outs.append(tree_forward(target, cache, flat, starts, cascade.make(backend, "cuda")))
+        kvs.append(outs[-1].nodes_kv(cache, starts))  # the masked path keeps them in the cache
     masked, fi = outs
     masked_logits, fi_logits = masked.logits, fi.logits  # computed from the final states on each read
     for b, row in enumerate(rows):  # padding nodes are not compared
         torch.testing.assert_close(fi_logits[b, : row.size].float(), masked_logits[b, : row.size].float(),
                                    rtol=3e-2, atol=3e-2)
-        for (km, vm), (kf, vf) in zip(masked.node_kv, fi.node_kv):  # the layers' inputs agree too
+        for (km, vm), (kf, vf) in zip(*kvs):  # the layers' inputs agree too
             torch.testing.assert_close(kf[b, :, : row.size].float(), km[b, :, : row.size].float(), rtol=3e-2, atol=3e-2)
             torch.testing.assert_close(vf[b, :, : row.size].float(), vm[b, :, : row.size].float(), rtol=3e-2, atol=3e-2)
     assert (fi_logits[0, :9].argmax(-1) == masked_logits[0, :9].argmax(-1)).float().mean() > 0.9

@@ -16,6 +16,7 @@ the rows left out of a tree step queue their context for a later catch-up, as in
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -132,6 +133,7 @@ class D2SDEngine(SpecEngine):
         self.alt_prior = alt_prior
         self._calib = (torch.zeros(self._BINS), torch.zeros(self._BINS))  # chain slots tested, accepted
         self._raw_conf: dict[int, torch.Tensor] = {}
+        self._chain_reach: deque[int] = deque(maxlen=self.CHAIN_REACH_STEPS)  # longest planned chain per step
         self._tree_cost: tuple[float, float] | None = None  # recovery drafter (per_branch, fixed)
         self._last_value = {"recovery": 0.0, "first": 0.0, "joint": 0.0}  # each source's last plan value: its next first price
         self.tree_stats = {"branches": 0, "branch_tokens": 0, "branch_wins": 0, "alternatives": 0, "steps": 0,
@@ -274,6 +276,8 @@ class D2SDEngine(SpecEngine):
         head = self.CHAIN_HEAD_SLOTS
         if self.tree_rule != "load_aware" or not self.trim_chain or head is None or head >= self.block_size - 1:
             head = None  # the whole block: the fixed rule verifies whole chains
+        elif self._chain_reach:  # one slot past the longest chain planned in recent steps
+            head = min(head, max(self._chain_reach) + 1)
         if self.branch_drafter == "joint":
             logits, self._joint_logits_now = self._joint_logits(seqs, rows, upto=head)
         else:
@@ -288,6 +292,8 @@ class D2SDEngine(SpecEngine):
             q, top1, chain = (torch.cat([a, b], 1) for a, b in zip((q, top1, chain), tail))
             self.tree_stats["chain_tail_reads"] += 1
             plan = self._plan(seqs, rows, top1, caps)
+        if head is not None:
+            self._chain_reach.append(int(plan.chain.max()) - 1)
         if self.branch_drafter not in ("first", "joint"):
             self._source = plan.source
         if plan.value == plan.value:  # nan under the fixed rule
@@ -505,13 +511,16 @@ class D2SDEngine(SpecEngine):
     # beats the two lazy ones: a call has a large fixed part (embedded pair, one CPU thread: a
     # call of 1-3 rows took 0.16 ms, one of 4-16 rows 0.3-0.6 ms), and few rows are wasted
     ONE_READ_ROWS = 32
-    # The LM head reads the chain's first slots only (each slot is a [V, H] product per row);
-    # slots past these are read only when some row's plan keeps its chain to the last slot read,
-    # and the plan is then made again over the whole block. A plan that stops short of the slots
-    # read is the whole block's plan: the load-aware rule keeps chain slot k only while its
-    # survival pays at the plan's price, survival only falls along the chain, and branches sit
-    # before the chain's end. In the embedded pair's joint bench runs no step read the rest.
+    # The LM head reads the chain's first slots only (each slot is a [V, H] product per row):
+    # one slot past the longest chain planned in the last CHAIN_REACH_STEPS steps, at most
+    # CHAIN_HEAD_SLOTS (all of them until a step was planned). Slots past these are read only
+    # when some row's plan keeps its chain to the last slot read, and the plan is then made
+    # again over the whole block. A plan that stops short of the slots read is the whole
+    # block's plan: the load-aware rule keeps chain slot k only while its survival pays at the
+    # plan's price, survival only falls along the chain, and branches sit before the chain's
+    # end. So the head's size changes the cost of a step, never its tree.
     CHAIN_HEAD_SLOTS = 8
+    CHAIN_REACH_STEPS = 32
 
     def _greedy_walks(self, trees: list[TreeRow], rows: list[int], fwd: TreeForward) -> list[PathResult]:
         index = torch.tensor(rows, device=self.device)

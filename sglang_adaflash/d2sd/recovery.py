@@ -34,6 +34,7 @@ plan is the better of the best tree of each; "no branch at all" is inside the se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +138,8 @@ def plan_tree(
         longest = torch.where(f > 0, torch.minimum((cap.to(conf.device)[:, None] - slots).clamp(min=0), per_slot), 0)
         slots, longest = torch.cat([slots, longest], 1).cpu().split([slots.shape[1]] * 2, dim=1)  # one read
         return BranchPlan(slots, longest, float("nan"), cap.cpu(), torch.where(longest > 0, alts_s.shape[1], 0))
-    # a few dozen numbers per row: numpy on the host is several times faster than torch here
+    # a few dozen numbers per row: numpy on the host is several times faster than torch here,
+    # and for one or two rows plain Python is faster again (see _RowPlanner)
     c = conf.detach().double().cpu().numpy()
     capn = cap.cpu().numpy()
     n, s = c.shape
@@ -147,6 +149,7 @@ def plan_tree(
     in_cap = np.arange(1, s + 1)[None] < capn[:, None]
     kk = min(k, s)
     rows = np.arange(n)[:, None]
+    small = _RowPlanner(reach, f_all, tau_at, capn, kk, cost, trim_chain) if n <= SMALL_PLAN_ROWS else None
 
     def source(r_all, lens, per_branch, branch_fixed, rates):
         """lens [S] the longest branch per slot, rates [S, W-1] the further alternatives' rates."""
@@ -155,6 +158,8 @@ def plan_tree(
         return (r_all, lens, ls, cont, cost.per_token * ls + per_branch * (ls > 0), branch_fixed, rates)
 
     def plan_at(lam: float, src, branching: bool):
+        if small is not None:
+            return small.plan_at(lam, src, branching)
         r_all, lens, ls, cont, row_cost, branch_fixed, rho_alt = src
         chain = capn
         if trim_chain:
@@ -204,7 +209,7 @@ def plan_tree(
         other = best_of(first, True, first_start)
         if other[2] > best[2]:
             best, won = other, "first"
-    elif cost.branch_fixed > 0 and (best[1] > 0).any():
+    elif cost.branch_fixed > 0 and any(x > 0 for row in best[1] for x in row):
         # branch_fixed is shared: the best tree against no branch at all (skipped where nothing
         # is shared to save, or no branch was taken: the first pass's optimum is the answer)
         other = best_of(recovery, False, start)
@@ -216,6 +221,89 @@ def plan_tree(
         return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long)
 
     return BranchPlan(t(slots), t(choice), value, t(chain), t(extra), won)
+
+
+# plan_tree's rows at most this many: each price's plan is made row by row in plain Python
+# (_RowPlanner), the same arithmetic in the same order as the numpy path, so the same plan.
+# At c=1 on the embedded pair (one CPU thread) the numpy path's few dozen calls a price were
+# about half a millisecond of a 13 ms step, run between the forwards that evict their code
+# and data from the core's caches.
+SMALL_PLAN_ROWS = 2
+
+
+class _RowPlanner:
+    """plan_tree's plan at one price, for few rows, in Python lists instead of numpy arrays."""
+
+    def __init__(self, reach, f_all, tau_at, capn, kk, cost: TreeCost, trim_chain: bool):
+        self.reach, self.f_all, self.tau_at = reach.tolist(), f_all.tolist(), tau_at.tolist()
+        self.cap, self.kk, self.cost, self.trim = capn.tolist(), kk, cost, trim_chain
+        self._lists: dict[int, tuple] = {}
+
+    def _source(self, src) -> tuple:
+        key = id(src)  # a source is made once per plan and asked at several prices
+        if key not in self._lists:
+            r_all, lens, _, cont, row_cost, branch_fixed, rho_alt = src
+            self._lists[key] = (src, np.asarray(r_all).tolist(), np.asarray(lens).tolist(), cont.tolist(),
+                                row_cost.tolist(), branch_fixed, np.asarray(rho_alt).tolist())
+        return self._lists[key][1:]
+
+    def plan_at(self, lam: float, src, branching: bool):
+        r_all, lens, cont, row_cost, branch_fixed, rho_alt = self._source(src)
+        per_token = self.cost.per_token
+        thr = lam * per_token
+        n_len = len(cont)
+        s = len(self.reach[0])
+        slots_out, choice_out, chain_out, extra_out = [], [], [], []
+        tau_sum = gain_sum = alt_sum = rows_cost = 0.0
+        chain_total = extra_total = 0
+        for i, cap in enumerate(self.cap):
+            chain = cap
+            if self.trim:
+                keep = 0
+                for j, r in enumerate(self.reach[i]):
+                    if not (r > thr and j + 1 < cap):
+                        break
+                    keep += 1
+                chain = min(1 + max(keep, 1), cap)
+            f = [x if j + 1 < chain else 0.0 for j, x in enumerate(self.f_all[i])]
+            idx = sorted(range(s), key=lambda j: -f[j])[: self.kk]  # stable, as np.argsort(kind="stable")
+            slots, choices, extras = [], [], []
+            for j in idx:
+                fk, slot = f[j], j + 1
+                longest = min(max(cap - slot, 0), lens[j]) if branching and fk > 0 else 0
+                base = fk * r_all[i][j]
+                run_net = best_net = run_tok = 0.0
+                extra, alt_tok = 0, [0.0]
+                for w, rate in enumerate(rho_alt[j]):  # the best prefix of the further alternatives
+                    g = fk * rate
+                    run_net += g - thr
+                    run_tok += g
+                    alt_tok.append(run_tok)
+                    if run_net > best_net:
+                        best_net, extra = run_net, w + 1
+                choice, best = 0, -math.inf
+                for ln in range(n_len):
+                    net = -math.inf if ln > longest else base * cont[ln] - lam * row_cost[ln] + (best_net if ln else 0.0)
+                    if net > best:
+                        choice, best = ln, net
+                extra = extra if choice > 0 else 0
+                gain_sum += base * cont[choice]
+                alt_sum += alt_tok[extra]
+                rows_cost += row_cost[choice]
+                extra_total += extra
+                slots.append(slot)
+                choices.append(choice)
+                extras.append(extra)
+            tau_sum += self.tau_at[i][chain - 1]
+            chain_total += chain
+            slots_out.append(slots)
+            choice_out.append(choices)
+            chain_out.append(chain)
+            extra_out.append(extras)
+        tokens = tau_sum + gain_sum + alt_sum
+        spent = (self.cost.fixed + per_token * (chain_total + extra_total) + rows_cost
+                 + branch_fixed * any(x > 0 for row in choice_out for x in row))
+        return slots_out, choice_out, float(tokens / spent), chain_out, extra_out
 
 
 def plan_branches(conf, rho, lengths, *, k, branch_len, beta, cost, rounds: int = 8, alts=(), start=0.0,

@@ -227,3 +227,50 @@ def test_auto_plan_is_the_better_source_by_enumeration():
         if plan.source == "first":
             assert (plan.lengths <= 1).all()
     assert won == {"recovery", "first"}, won
+
+
+def _random_plan_inputs(gen):
+    import numpy as np
+
+    n, s = int(gen.integers(1, 3)), int(gen.integers(2, 16))
+    conf = torch.from_numpy(gen.uniform(0.02, 0.99, (n, s)))
+    rho = gen.uniform(0.0, 0.9, (n, s))
+    w = int(gen.integers(1, 5))
+    kw = dict(k=int(gen.integers(0, 5)), branch_len=gen.integers(1, 5, s), beta=float(gen.uniform(0.1, 0.9)),
+              alts=gen.uniform(0.0, 0.4, (s, w - 1)), trim_chain=bool(gen.integers(0, 2)),
+              start=float(gen.choice([0.0, gen.uniform(0.5, 400.0)])))
+    if gen.integers(0, 3) == 0:  # rates of exactly 0 (ties between choices at the zero price)
+        rho[gen.uniform(size=rho.shape) < 0.5] = 0.0
+        kw["alts"][gen.uniform(size=kw["alts"].shape) < 0.5] = 0.0
+    if gen.integers(0, 3) == 0:  # --branch-drafter auto: the first drafter's ranks priced too
+        kw["first_rates"] = list(gen.uniform(0.0, 0.5, w))
+        kw["first_start"] = float(gen.uniform(0.0, 400.0))
+    scale = 10.0 ** gen.uniform(-5, -2)  # verify tokens from nearly free to a step's worth
+    cost = TreeCost(fixed=float(gen.uniform(0.002, 0.02)), per_token=float(scale),
+                    per_branch=float(gen.choice([0.0, gen.uniform(0, 1e-3)])),
+                    branch_fixed=float(gen.choice([0.0, gen.uniform(0, 3e-3)])))
+    cap = torch.from_numpy(gen.integers(1, s + 2, n))
+    return conf, rho, cap, cost, kw
+
+
+def test_the_row_by_row_plan_is_the_numpy_plan(monkeypatch):
+    """plan_tree makes the plan of one or two rows in plain Python (recovery._RowPlanner): on
+    random rows, rates, costs, prices and options it must give the numpy path's plan."""
+    import numpy as np
+
+    from sglang_adaflash.d2sd import recovery
+
+    gen = np.random.default_rng(7)
+    branched = 0
+    for case in range(400):
+        conf, rho, cap, cost, kw = _random_plan_inputs(gen)
+        plans = []
+        for rows in (0, 2):  # 0: every plan through numpy; 2: these through the Python rows
+            monkeypatch.setattr(recovery, "SMALL_PLAN_ROWS", rows)
+            plans.append(recovery.plan_tree(conf, rho, cap, cost=cost, **kw))
+        want, got = plans
+        for field in ("slots", "lengths", "chain", "extra"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (case, field, want, got)
+        assert got.value == pytest.approx(want.value, rel=1e-12) and got.source == want.source, case
+        branched += bool(want.lengths.any())
+    assert 100 < branched < 390, branched  # trees and chains both among the cases

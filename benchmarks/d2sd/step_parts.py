@@ -9,8 +9,12 @@ ratios within each round.
 
     python benchmarks/d2sd/step_parts.py --out benchmarks/d2sd/step_parts.json
     python benchmarks/d2sd/step_parts.py --sources first,joint --out benchmarks/d2sd/step_parts_joint.json
+    python benchmarks/d2sd/step_parts.py --sources joint --recovery-drafter embedded-shared \
+        --tree-k 3 --branch-width 3 --branch-len 2 --out benchmarks/d2sd/step_parts_shared.json
 
---sources picks the d2sd branch sources timed beside dflash (default: first, auto, recovery).
+--sources picks the d2sd branch sources timed beside dflash (default: first, auto, recovery);
+--recovery-drafter, --tree-k, --branch-width and --branch-len the tree (default: the shipped
+`embedded` recovery drafter, 4, 4 and 4).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.runner import BenchConfig, build_workload  # noqa: E402
 from sglang_adaflash.d2sd import engine as d2sd_engine  # noqa: E402
-from sglang_adaflash.d2sd.cli import RECOVERY_DIR  # noqa: E402
+from sglang_adaflash.d2sd.cli import RECOVERY_DIR, RECOVERY_SHARED_DIR  # noqa: E402
 from sglang_adaflash.d2sd.recovery_drafter import TreeProposer, load_recovery_drafter  # noqa: E402
 from sglang_adaflash.engine.engine import EngineStats, SpecEngine  # noqa: E402
 from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
@@ -54,6 +58,9 @@ PARTS = [
     (d2sd_engine.D2SDEngine, "_joint_logits"),
     (d2sd_engine.D2SDEngine, "_joint_branches"),
     (d2sd_engine.D2SDEngine, "_draft_trees"),
+    (d2sd_engine.D2SDEngine, "_read_chain"),
+    (d2sd_engine.D2SDEngine, "_plan"),
+    (d2sd_engine.D2SDEngine, "_observe_chain"),
     (TreeProposer, "extend_context"),
     (TreeProposer, "propose_joint"),
     (TreeProposer, "catch_up"),
@@ -87,15 +94,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sources", default="first,auto,recovery",
                     help="d2sd branch sources to time beside dflash (first, auto, recovery, joint)")
+    ap.add_argument("--recovery-drafter", default="embedded", choices=["embedded", "embedded-shared"])
+    ap.add_argument("--tree-k", type=int, default=4)
+    ap.add_argument("--branch-width", type=int, default=4)
+    ap.add_argument("--branch-len", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     totals: dict[str, float] = defaultdict(float)
     _instrument(totals)
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
-    recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
+    recovery = load_recovery_drafter(RECOVERY_DIR if args.recovery_drafter == "embedded" else RECOVERY_SHARED_DIR,
+                                     pair.drafter)
     cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
     wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
-    tree = dict(tree_k=4, branch_len=4, branch_width=4, tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
+    tree = dict(tree_k=args.tree_k, branch_len=args.branch_len, branch_width=args.branch_width, tree_rule="load_aware",
+                max_batch_size=1, max_seq_len=600)
     engines = {"dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
     for source in args.sources.split(","):
         kw = {**tree, "branch_len": 1} if source == "first" else tree
@@ -123,14 +136,19 @@ def main(argv=None) -> int:
             per_round = [a[field] / b[field] for a, b in zip(runs[name], runs["dflash"])]
             r[key] = round(statistics.median(per_round), 3)
             r[key + "_rounds"] = [round(x, 3) for x in per_round]
-    sources = "" if args.sources == "first,auto,recovery" else f" --sources {args.sources}"
-    report = {"command": f"python benchmarks/d2sd/step_parts.py{sources} --out {args.out}",
+    flags = "" if args.sources == "first,auto,recovery" else f" --sources {args.sources}"
+    for flag, value, default in (("--recovery-drafter", args.recovery_drafter, "embedded"), ("--tree-k", args.tree_k, 4),
+                                 ("--branch-width", args.branch_width, 4), ("--branch-len", args.branch_len, 4),
+                                 ("--repeats", args.repeats, 5)):
+        flags += f" {flag} {value}" if value != default else ""
+    report = {"command": f"python benchmarks/d2sd/step_parts.py{flags} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
-                           "repeats": args.repeats},
+                           "repeats": args.repeats, "recovery_drafter": args.recovery_drafter,
+                           "tree_k": args.tree_k, "branch_width": args.branch_width, "branch_len": args.branch_len},
               "results": result,
               "note": "ms per decode step, medians over the repeats; nested parts are inside their callers "
                       "(dflash_decode_step holds dflash_draft and dflash_update_context; propose_branches holds catch_up; _branches holds propose_branches and the LM head; "
-                      "_draft_trees holds _chain_logits or _joint_logits (which holds propose_joint and the LM head), plan_tree and the branches; "
+                      "_draft_trees holds _chain_logits or _joint_logits (which holds propose_joint and the LM head), _read_chain, _plan (which holds plan_tree) and the branches; "
                       "ms_per_step includes prefill and admission, _decode_step does not)"}
     write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
     for name, r in result.items():

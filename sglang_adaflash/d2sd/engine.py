@@ -401,7 +401,7 @@ class D2SDEngine(SpecEngine):
             at = torch.tensor(greedy, device=self.device)
             ranked = dict(zip(greedy, self._ranked_tokens(
                 logits[at, 0].float(), [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
-                [pending[m][3] for m in greedy], argmax_alone=True)))
+                [pending[m][3] for m in greedy])))
             rest = dict(zip(greedy, logits[at, 1:].float().argmax(-1).tolist()))  # slots r+1 ..
         out: dict[int, list[Branch]] = {}
         for m, (j, r, ln, n_alt) in enumerate(pending):
@@ -425,22 +425,14 @@ class D2SDEngine(SpecEngine):
         return out
 
     @staticmethod
-    def _ranked_tokens(scores: torch.Tensor, excluded: list[int], n_alts: list[int], *, argmax_alone: bool) -> list[list[int]]:
+    def _ranked_tokens(scores: torch.Tensor, excluded: list[int], n_alts: list[int]) -> list[list[int]]:
         """scores [G, V] at each greedy branch's slot, excluded[g] the chain's token there -> each
-        row's best 1 + n_alts[g] other tokens, best first (argmax_alone: by argmax where no
-        alternative is wanted, else by topk). One device read per distinct count: a read per
-        branch was a host synchronisation per branch on a GPU."""
-        dev = scores.device
-        scores = scores.clone()
-        scores[torch.arange(len(excluded), device=dev), torch.tensor(excluded, device=dev)] = float("-inf")
-        out: list[list[int]] = [[] for _ in n_alts]
-        for n in sorted(set(n_alts)):
-            idx = [g for g, k in enumerate(n_alts) if k == n]
-            sel = scores[torch.tensor(idx, device=dev)]
-            picked = sel.argmax(-1)[:, None] if n == 0 and argmax_alone else sel.topk(1 + n).indices
-            for g, toks in zip(idx, picked.tolist()):
-                out[g] = toks
-        return out
+        row's best 1 + n_alts[g] tokens other than excluded[g], best first. One top-k and one
+        device read for every row (a read per branch was a host synchronisation per branch on
+        a GPU); the chain's token is dropped on the host."""
+        k = min(max(n_alts) + 2, scores.shape[-1])
+        top = scores.topk(k).indices.tolist()
+        return [[t for t in toks if t != ex][: 1 + n] for toks, ex, n in zip(top, excluded, n_alts)]
 
     def _first_drafter_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
         """Branches without the second drafter: for (row j, slot r, _, w more alternatives), the
@@ -454,7 +446,7 @@ class D2SDEngine(SpecEngine):
             at_slots = torch.tensor([pending[m][1] - 1 for m in greedy], device=q.device)
             ranked = dict(zip(greedy, self._ranked_tokens(
                 q[at_rows, at_slots], [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
-                [pending[m][3] for m in greedy], argmax_alone=False)))
+                [pending[m][3] for m in greedy])))
         for m, (j, r, _, n_alt) in enumerate(pending):
             if j not in hot_set:
                 mine = [Branch(r, [t]) for t in ranked[m]]

@@ -156,11 +156,11 @@ class D2SDEngine(SpecEngine):
         longest slot-1 branch), from one LM-head call."""
         last = torch.tensor([seqs[i].last_token for i in rows], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in rows], device=self.device)
-        first, rec = self.proposer.propose_joint(last, ctx, rows)
+        span = min(self.branch_len, self.block_size - 1)
+        first, rec = self.proposer.propose_joint(last, ctx, rows, recovery_rows=slice(1, 1 + span))
         self._chain_states = first[:, 1:]
         u = self.block_size - 1 if upto is None else upto
-        span = min(self.branch_len, self.block_size - 1)
-        logits = self.drafter.logits(torch.cat([first[:, 1 : 1 + u], rec[:, 1 : 1 + span]], 1))
+        logits = self.drafter.logits(torch.cat([first[:, 1 : 1 + u], rec], 1))
         return logits[:, :u], logits[:, u:]
 
     def _chain_tail(self, seqs: list[_Seq], rows: list[int], start: int) -> torch.Tensor:

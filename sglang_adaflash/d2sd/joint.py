@@ -17,7 +17,9 @@ A second, sequential recovery forward would add its own ops and its own launches
 A recovery drafter that shares the first drafter's context modules (shared_context.py) needs
 no second context: both read the first drafter's cache, and layer 0's block K/V, the same for
 both, are made once (`_shared_layer`). That took the joint trees from 1.08-1.11x to
-1.11-1.16x dflash's throughput at c=1 in the sweeps of benchmarks/d2sd/README.md.
+1.11-1.16x dflash's throughput at c=1 in the sweeps of benchmarks/d2sd/README.md. When that
+layer is the last (a one-layer pair), the recovery drafter's part is made at the block rows a
+branch reads only (`recovery_rows`, `_shared_last_layer`).
 
 The stacked weights are copies. Hot reload copies new weights into the first drafter in place
 (serving/reload/apply.py); every in-place write bumps a tensor's version counter, so the stack
@@ -139,10 +141,11 @@ class JointDrafters:
 
     @torch.inference_mode()
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_first, ctx_recovery,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor, recovery_rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Both drafters over the same block: block_embeds [N, Q, H], block_positions [N, Q],
         ctx_first / ctx_recovery per layer ([N, kvh, C, hd] x2), mask [N, 1, Q, C+Q] ->
-        (first's, recovery's) final normed block states, each [N, Q, H]."""
+        (first's, recovery's) final normed block states, each [N, Q, H]; with recovery_rows,
+        the recovery drafter's at those block rows only, [N, R, H] (see _shared_layer)."""
         w = self._weights()
         n, q_len, h = block_embeds.shape
         x = block_embeds.to(w["fc"].dtype)[None].expand(2, -1, -1, -1)  # [2, N, Q, H]
@@ -151,6 +154,8 @@ class JointDrafters:
         mask2 = None
         for i, (layer, (ca, va), (cb, vb)) in enumerate(zip(w["layers"], ctx_first, ctx_recovery)):
             if i == 0 and self.shared:
+                if recovery_rows is not None and len(w["layers"]) == 1:
+                    return self._shared_last_layer(layer, x, ca, va, cos, sin, mask, recovery_rows, w["norm"])
                 x = self._shared_layer(layer, x, ca, va, cos, sin, mask)
                 continue
             hs = _norm(x, layer["input_layernorm"], self.eps)
@@ -166,7 +171,44 @@ class JointDrafters:
             x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
             x = self._mlp(layer, x)
         x = _norm(x, w["norm"], self.eps)
-        return x[0], x[1]
+        return x[0], x[1] if recovery_rows is None else x[1][:, recovery_rows]
+
+    def _shared_last_layer(self, layer: dict, x: torch.Tensor, ctx_k, ctx_v, cos, sin, mask, rows: slice,
+                           norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-layer pair with shared modules, the recovery drafter's part at block `rows`
+        only: its queries, attention output, MLP and final norm there, since a branch reads
+        its states at those slots alone (the block K/V are shared and made for every row).
+        On the embedded pair that is 2 of 16 rows; the stacked MLP over all 32 rows was the
+        pass's largest matmuls. Returns (first's [N, Q, H], recovery's [N, R, H])."""
+        _, n, q_len, h = x.shape
+        x0 = x[0]
+        hs = rms_norm(x0, layer["input_layernorm"][0], self.eps)  # [N, Q, H]
+        k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
+        k = apply_rope(rms_norm(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+        v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        hs_r, x_r = hs[:, rows], x[1][:, rows]
+        r_len = hs_r.shape[1]
+        if self.shared == "attention":  # one attention output, the first drafter's, for both
+            q = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
+            q = apply_rope(rms_norm(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+            att = (attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1) @ layer["self_attn.o_proj"][0])
+            x_f, x_r = x0 + att, x_r + att[:, rows]
+        else:  # both drafters' queries in one call, the recovery drafter's at `rows` only
+            q_f = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
+            q_f = apply_rope(rms_norm(q_f, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0])
+            q_r = (hs_r @ layer["self_attn.q_proj"][1]).view(n, r_len, self.nh, self.hd)
+            q_r = apply_rope(rms_norm(q_r, layer["self_attn.q_norm"][1], self.eps), cos[0][:, rows], sin[0][:, rows])
+            q = torch.cat([q_f, q_r], dim=1).transpose(1, 2)  # [N, nh, Q + R, hd]
+            out = attention(q, k, v, torch.cat([mask, mask[:, :, rows]], dim=2)).transpose(1, 2)
+            x_f = x0 + out[:, :q_len].reshape(n, q_len, -1) @ layer["self_attn.o_proj"][0]
+            x_r = x_r + out[:, q_len:].reshape(n, r_len, -1) @ layer["self_attn.o_proj"][1]
+        outs = []
+        for d, y in ((0, x_f), (1, x_r)):
+            hs = rms_norm(y, layer["post_attention_layernorm"][d], self.eps)
+            up = F.silu(hs @ layer["mlp.gate_proj"][d]) * (hs @ layer["mlp.up_proj"][d])
+            outs.append(rms_norm(y + up @ layer["mlp.down_proj"][d], norm[d], self.eps))
+        return outs[0], outs[1]
 
     def _shared_layer(self, layer: dict, x: torch.Tensor, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
         """Layer 0 when modules are shared (shared_context.py): both drafters see the same block

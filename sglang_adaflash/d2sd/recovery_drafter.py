@@ -160,14 +160,16 @@ class TreeProposer(DFlashProposer):
             write_context(cache, kv, positions, slots)
 
     @torch.inference_mode()
-    def propose_joint(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, slots: list[int]):
+    def propose_joint(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, slots: list[int],
+                      recovery_rows: slice | None = None):
         """Both drafters over the block [last token, masks...] of each request in cache slots
-        `slots`, in one stacked forward -> (first's, recovery's) block states, each [n, B, H]."""
+        `slots`, in one stacked forward -> (first's, recovery's) block states, each [n, B, H]
+        (the recovery drafter's at block rows `recovery_rows` only, when given)."""
         embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens)
         n = len(last_tokens)
         ctx_first = self.context(self.cache, slots, n, c)
         ctx_rec = ctx_first if self.shared_context else self.context(self.rcache, slots, n, c)
-        return self.joint.forward(embeds, positions, ctx_first, ctx_rec, mask)
+        return self.joint.forward(embeds, positions, ctx_first, ctx_rec, mask, recovery_rows)
 
     @torch.inference_mode()
     def catch_up(self, slots) -> None:

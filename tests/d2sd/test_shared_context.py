@@ -160,3 +160,26 @@ def test_training_with_shared_modules_leaves_them_and_marks_the_checkpoint(tmp_p
     loaded = load_recovery_drafter(out, first)
     assert sharing(first, loaded) == "context"
     assert read_config(out).raw["adaflash_config"][RECOVERY_KEY]["shared"] == "context"
+
+
+@pytest.mark.parametrize("kind", [*SHARING, None])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_recovery_drafters_rows_alone_equal_its_whole_blocks_rows(kind, layers):
+    """With recovery_rows the pass makes the recovery drafter's states at those block rows only
+    (a one-layer pair's last layer computes nothing else for it): they must equal its own
+    forward's rows there, and the first drafter's states must not change. Control: rows one
+    slot off differ."""
+    first, rec = _pair(kind, layers)
+    feats, positions, embeds, block_pos, mask = _inputs(first)
+    joint = JointDrafters(first, rec)
+    with torch.inference_mode():
+        kv_a, kv_b = joint.context_kv(feats, positions)
+        if kind is not None:  # one context: the first drafter's
+            kv_b = kv_a
+        whole_a, whole_b = joint.forward(embeds, block_pos, kv_a, kv_b, mask)
+        for rows in (slice(1, 3), slice(1, 2), slice(2, 6)):
+            a, b = joint.forward(embeds, block_pos, kv_a, kv_b, mask, recovery_rows=rows)
+            torch.testing.assert_close(a, whole_a)
+            torch.testing.assert_close(b, whole_b[:, rows])
+            off = slice(rows.start + 1, rows.stop + 1)
+            assert (b - whole_b[:, off]).abs().max() > 1e-3

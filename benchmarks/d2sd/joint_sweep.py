@@ -12,6 +12,8 @@ is around its choice. Every output is checked
 against `ar`'s, token for token.
 
     python benchmarks/d2sd/joint_sweep.py --out benchmarks/d2sd/joint_sweep.json
+
+`--trees` picks the rows (by name, comma-separated) instead of the default set.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ TREES = {
     "joint-shared k4 w4 l4": ("joint", 4, 4, 4, "embedded-shared"),
     "joint-shared k2 w4 l2": ("joint", 2, 4, 2, "embedded-shared"),
     "joint-shared k3 w3 l2": ("joint", 3, 3, 2, "embedded-shared"),
+    "joint-shared k3 w4 l2": ("joint", 3, 4, 2, "embedded-shared"),
+    "joint-shared k4 w4 l3": ("joint", 4, 4, 3, "embedded-shared"),
 }
+# the rows a plain run sweeps (the two above them only with --trees)
+DEFAULT_TREES = [name for name in TREES if name not in ("joint-shared k3 w4 l2", "joint-shared k4 w4 l3")]
 
 
 class ScaledPrice(D2SDEngine):
@@ -71,7 +77,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--price-scale", type=float, nargs="*", default=[0.5, 1.5])
+    ap.add_argument("--trees", default=",".join(DEFAULT_TREES),
+                    help=f"comma-separated rows to sweep beside ar and dflash, of: {', '.join(TREES)}")
     args = ap.parse_args(argv)
+    trees = [t.strip() for t in args.trees.split(",") if t.strip()]
+    if unknown := [t for t in trees if t not in TREES]:
+        ap.error(f"unknown trees {unknown}; known: {', '.join(TREES)}")
     torch.set_num_threads(1)
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
     recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
@@ -81,7 +92,8 @@ def main(argv=None) -> int:
     wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
     engines = {"ar": make_engine(pair, "ar", 1, 600, 0, num_requests=16),
                "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
-    for name, (src, k, w, ln, rec) in TREES.items():
+    for name in trees:
+        src, k, w, ln, rec = TREES[name]
         engines[name] = D2SDEngine(pair.target, pair.drafter, recoveries[rec],
                                    branch_drafter=src, tree_k=k, branch_width=w, branch_len=ln,
                                    tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
@@ -118,7 +130,8 @@ def main(argv=None) -> int:
         }
     scales = "" if args.price_scale == [0.5, 1.5] else " ".join([" --price-scale", *map(str, args.price_scale)])
     repeats = "" if args.repeats == 3 else f" --repeats {args.repeats}"
-    report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales}{repeats} --out {args.out}",
+    chosen = "" if trees == DEFAULT_TREES else f" --trees '{','.join(trees)}'"
+    report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales}{repeats}{chosen} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats, "tree_rule": "load_aware"},
               "equal_to_ar": equal, "results": results}

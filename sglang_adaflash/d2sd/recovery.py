@@ -225,9 +225,9 @@ def plan_tree(
 
 # plan_tree's rows at most this many: each price's plan is made row by row in plain Python
 # (_RowPlanner), the same arithmetic in the same order as the numpy path, so the same plan.
-# At c=1 on the embedded pair (one CPU thread) the numpy path's few dozen calls a price were
-# about half a millisecond of a 13 ms step, run between the forwards that evict their code
-# and data from the core's caches.
+# At c=1 on the embedded pair (one CPU thread) the numpy path took 0.46 ms of a 10.7 ms step,
+# run between the forwards that evict its code and data from the core's caches, and the rows
+# take 0.23 (benchmarks/d2sd/step_parts_lean*.json).
 SMALL_PLAN_ROWS = 2
 
 

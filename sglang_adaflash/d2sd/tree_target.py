@@ -8,9 +8,10 @@ the cache's own view [0, context + N) with a mask that sees a row's committed co
 node's ancestors there. The chain's nodes come first (tree.build_row), so node i of the chain is
 already where a chain verify would have put it: a path along the chain commits with no copy,
 and a path through a branch copies only its own nodes into place (commit_paths). Keeping the
-nodes' K/V aside instead and concatenating them to the context in every layer cost a copy of
-the context per layer and a gather per layer at commit: 0.2-0.3 ms of a 5 ms c=1 tree forward
-on the embedded pair (one CPU thread). A tree that does not fit in the cache past the longest
+nodes' K/V aside instead cost a copy of the context per layer (concatenated to the nodes')
+and a gather per layer at every commit (the commit took 0.24 ms of a c=1 step on the embedded
+pair, 0.16 with the nodes in the cache: benchmarks/d2sd/step_parts_lean*.json). A tree that
+does not fit in the cache past the longest
 context keeps its K/V aside, as does a cascade (cascade.py: FlashInfer's kernels on CUDA),
 which attends to the context and to the nodes separately and merges the two, so the long
 context level needs no per-node mask. Either way the cache afterwards holds exactly what a

@@ -145,7 +145,7 @@ class JointDrafters:
         """Both drafters over the same block: block_embeds [N, Q, H], block_positions [N, Q],
         ctx_first / ctx_recovery per layer ([N, kvh, C, hd] x2), mask [N, 1, Q, C+Q] ->
         (first's, recovery's) final normed block states, each [N, Q, H]; with recovery_rows,
-        the recovery drafter's at those block rows only, [N, R, H] (see _shared_layer)."""
+        the recovery drafter's at those block rows only, [N, R, H] (see _shared_last_layer)."""
         w = self._weights()
         n, q_len, h = block_embeds.shape
         x = block_embeds.to(w["fc"].dtype)[None].expand(2, -1, -1, -1)  # [2, N, Q, H]
@@ -182,23 +182,16 @@ class JointDrafters:
         pass's largest matmuls. Returns (first's [N, Q, H], recovery's [N, R, H])."""
         _, n, q_len, h = x.shape
         x0 = x[0]
-        hs = rms_norm(x0, layer["input_layernorm"][0], self.eps)  # [N, Q, H]
-        k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
-        k = apply_rope(rms_norm(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
-        v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        hs_r, x_r = hs[:, rows], x[1][:, rows]
-        r_len = hs_r.shape[1]
+        hs, k, v = self._shared_kv(layer, x0, ctx_k, ctx_v, cos, sin)
+        x_r = x[1][:, rows]
+        r_len = x_r.shape[1]
         if self.shared == "attention":  # one attention output, the first drafter's, for both
-            q = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
-            q = apply_rope(rms_norm(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+            q = self._query(layer, hs, 0, cos[0], sin[0]).transpose(1, 2)
             att = (attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1) @ layer["self_attn.o_proj"][0])
             x_f, x_r = x0 + att, x_r + att[:, rows]
         else:  # both drafters' queries in one call, the recovery drafter's at `rows` only
-            q_f = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
-            q_f = apply_rope(rms_norm(q_f, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0])
-            q_r = (hs_r @ layer["self_attn.q_proj"][1]).view(n, r_len, self.nh, self.hd)
-            q_r = apply_rope(rms_norm(q_r, layer["self_attn.q_norm"][1], self.eps), cos[0][:, rows], sin[0][:, rows])
+            q_f = self._query(layer, hs, 0, cos[0], sin[0])
+            q_r = self._query(layer, hs[:, rows], 1, cos[0][:, rows], sin[0][:, rows])
             q = torch.cat([q_f, q_r], dim=1).transpose(1, 2)  # [N, nh, Q + R, hd]
             out = attention(q, k, v, torch.cat([mask, mask[:, :, rows]], dim=2)).transpose(1, 2)
             x_f = x0 + out[:, :q_len].reshape(n, q_len, -1) @ layer["self_attn.o_proj"][0]
@@ -217,14 +210,9 @@ class JointDrafters:
         axis: every block row has the same mask row); with "attention" the attention output is
         one drafter's. x [2, N, Q, H] (the two identical) -> [2, N, Q, H]."""
         _, n, q_len, h = x.shape
-        hs = rms_norm(x[0], layer["input_layernorm"][0], self.eps)  # [N, Q, H]
-        k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
-        k = apply_rope(rms_norm(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
-        v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        hs, k, v = self._shared_kv(layer, x[0], ctx_k, ctx_v, cos, sin)
         if self.shared == "attention":
-            q = (hs @ layer["self_attn.q_proj"][0]).view(n, q_len, self.nh, self.hd)
-            q = apply_rope(rms_norm(q, layer["self_attn.q_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+            q = self._query(layer, hs, 0, cos[0], sin[0]).transpose(1, 2)
             out = attention(q, k, v, mask).transpose(1, 2).reshape(n, q_len, -1)
             x = x + (out @ layer["self_attn.o_proj"][0])[None]
         else:
@@ -235,6 +223,22 @@ class JointDrafters:
             out = out.view(n, self.nh, 2, q_len, self.hd).permute(2, 0, 3, 1, 4).reshape(2, n * q_len, -1)
             x = x + torch.bmm(out, layer["self_attn.o_proj"]).view(2, n, q_len, h)
         return self._mlp(layer, x)
+
+    def _shared_kv(self, layer: dict, x0: torch.Tensor, ctx_k, ctx_v, cos, sin):
+        """The shared input norm and block K/V, made once: x0 [N, Q, H] -> its normed states
+        [N, Q, H] and the context's K/V with the block's appended, [N, kvh, C+Q, hd] x2."""
+        n, q_len, _ = x0.shape
+        hs = rms_norm(x0, layer["input_layernorm"][0], self.eps)
+        k = (hs @ layer["self_attn.k_proj"][0]).view(n, q_len, self.kvh, self.hd)
+        k = apply_rope(rms_norm(k, layer["self_attn.k_norm"][0], self.eps), cos[0], sin[0]).transpose(1, 2)
+        v = (hs @ layer["self_attn.v_proj"][0]).view(n, q_len, self.kvh, self.hd).transpose(1, 2)
+        return hs, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+
+    def _query(self, layer: dict, hs: torch.Tensor, d: int, cos, sin) -> torch.Tensor:
+        """Drafter d's normed, rotated queries at the rows of hs [N, R, H] -> [N, R, nh, hd]."""
+        n, r, _ = hs.shape
+        q = (hs @ layer["self_attn.q_proj"][d]).view(n, r, self.nh, self.hd)
+        return apply_rope(rms_norm(q, layer["self_attn.q_norm"][d], self.eps), cos, sin)
 
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         """The residual MLP block of both drafters, stacked: x [2, N, Q, H] -> [2, N, Q, H]."""

@@ -11,10 +11,9 @@ and a path through a branch copies only its own nodes into place (commit_paths).
 nodes' K/V aside instead cost a copy of the context per layer (concatenated to the nodes')
 and a gather per layer at every commit (the commit took 0.24 ms of a c=1 step on the embedded
 pair, 0.16 with the nodes in the cache: benchmarks/d2sd/step_parts_lean*.json). A tree that
-does not fit in the cache past the longest
-context keeps its K/V aside, as does a cascade (cascade.py: FlashInfer's kernels on CUDA),
-which attends to the context and to the nodes separately and merges the two, so the long
-context level needs no per-node mask. Either way the cache afterwards holds exactly what a
+does not fit in the cache past the longest context keeps its K/V aside, as does a cascade
+(cascade.py: FlashInfer's kernels on CUDA), which attends to the context and to the nodes
+separately and merges the two, so the long context level needs no per-node mask. Either way the cache afterwards holds exactly what a
 chain verify of the accepted path would have left.
 """
 

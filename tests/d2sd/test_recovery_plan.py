@@ -230,8 +230,6 @@ def test_auto_plan_is_the_better_source_by_enumeration():
 
 
 def _random_plan_inputs(gen):
-    import numpy as np
-
     n, s = int(gen.integers(1, 3)), int(gen.integers(2, 16))
     conf = torch.from_numpy(gen.uniform(0.02, 0.99, (n, s)))
     rho = gen.uniform(0.0, 0.9, (n, s))

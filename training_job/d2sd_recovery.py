@@ -64,17 +64,21 @@ class RecoveryTrainConfig:
     fail_share: float = 0.0  # anchors whose prefix ends where the first drafter first fails
     exclude_chain: bool = False  # slot p+1 trained without the first drafter's token
     share: str | None = None  # modules used as the first drafter's, frozen (sglang_adaflash.d2sd.shared_context)
+    max_prefix: int | None = None  # prefixes in [0, max_prefix] only (None: [0, B-2])
+    branch_only: bool = False  # an anchor weighs nothing where the chain's token at p+1 is right
 
 
 def sample_prefixes(anchors: list[int], seq_len: int, block_size: int, rng: random.Random,
-                    p_zero: float = 0.3) -> list[int]:
+                    p_zero: float = 0.3, max_prefix: int | None = None) -> list[int]:
     """A prefix length p in [0, B-2] per anchor that leaves at least one label (a + p + 1 < seq_len).
 
     p = 0 (the plain DFlash block) with probability p_zero, else uniform in [1, B-2]: a branch at
-    chain slot r has p = r - 1, and the chain fails first at slot 1 most often."""
+    chain slot r has p = r - 1, and the chain fails first at slot 1 most often. `max_prefix`
+    caps p (0: the slot-1 branch alone, the one `--branch-drafter joint` asks for)."""
+    cap = block_size - 2 if max_prefix is None else min(max_prefix, block_size - 2)
     out = []
     for a in anchors:
-        hi = min(block_size - 2, seq_len - 2 - a)
+        hi = min(cap, seq_len - 2 - a)
         out.append(0 if hi < 1 or rng.random() < p_zero else rng.randint(1, hi))
     return out
 
@@ -103,15 +107,16 @@ def _first_drafter_blocks(first, feats, ids, lens, anchors, block_size: int, mas
 
 
 def place_prefixes(anchors: list[list[int]], lens: list[int], fail: torch.Tensor, block_size: int,
-                   rng: random.Random, share: float) -> list[list[int]]:
+                   rng: random.Random, share: float, max_prefix: int | None = None) -> list[list[int]]:
     """Per anchor: with chance `share`, p = fail - 1 (where the first drafter's chain first fails,
-    if it fails inside the block), else sample_prefixes' p."""
+    if it fails inside the block and p <= max_prefix), else sample_prefixes' p."""
+    cap = block_size - 2 if max_prefix is None else max_prefix
     out, n = [], 0
     for a_list, length in zip(anchors, lens):
-        row = sample_prefixes(a_list, length, block_size, rng)
+        row = sample_prefixes(a_list, length, block_size, rng, max_prefix=max_prefix)
         for j in range(len(a_list)):
             r = int(fail[n + j])
-            if r < block_size and rng.random() < share:
+            if r < block_size and r - 1 <= cap and rng.random() < share:
                 row[j] = r - 1
         n += len(a_list)
         out.append(row)
@@ -119,10 +124,12 @@ def place_prefixes(anchors: list[list[int]], lens: list[int], fail: torch.Tensor
 
 
 def exclusion_at_prefix(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chain: torch.Tensor,
-                        prefixes: torch.Tensor):
+                        prefixes: torch.Tensor, branch_only: bool = False):
     """Slot p+1 as the engine reads it: the chain's token there removed from the softmax where it
     is wrong, and no weight where it is right (the branch is never used then).
 
+    With `branch_only` the whole block of such an anchor weighs nothing: a branch's later slots
+    are read only behind its first token, which exists only where the chain's was rejected.
     Returns (logits, weights), new tensors; other slots untouched."""
     n = torch.arange(logits.shape[0])
     slot = (prefixes + 1).clamp(max=logits.shape[1] - 1)
@@ -131,7 +138,10 @@ def exclusion_at_prefix(logits: torch.Tensor, labels: torch.Tensor, weights: tor
     out = logits.clone()
     out[n[~right], slot[~right], tok[~right]] = float("-inf")
     w = weights.clone()
-    w[n[right], slot[right]] = 0.0
+    if branch_only:
+        w[right] = 0.0
+    else:
+        w[n[right], slot[right]] = 0.0
     return out, w
 
 
@@ -203,7 +213,7 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
     drafter's own next-ranked tokens at r (a tree without the second drafter), and the recovery
     drafter's accepted continuation after r where its token was right."""
     rng = random.Random(seed)
-    acc, rec1, recw, fst1, fstw, cont = [], [], [], [], [], []
+    acc, rec1, recw, fst1, fstw, cont, slot, cont_slot = [], [], [], [], [], [], [], []
     for i in range(0, len(seqs), batch):
         chunk = [s for s in seqs[i : i + batch] if len(s["output_ids"]) >= 4]
         if not chunk:
@@ -234,6 +244,7 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
         k = torch.arange(len(r))
         label = fb.labels[k, r]
         chain_tok = chain[n, r]
+        slot += r.tolist()
         for logits_r, hit1, hitw in ((rec_logits[k, r], rec1, recw), (first_logits[n, r], fst1, fstw)):
             ranked = logits_r.float().scatter(1, chain_tok[:, None], float("-inf")).topk(width, 1).indices
             hit1 += (ranked[:, 0] == label).tolist()
@@ -242,6 +253,7 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
         run = torch.where(torch.arange(block_size)[None] > r[:, None], ok & (fb.labels != dfo.IGNORE), True)
         right = torch.tensor(rec1[-len(r):], dtype=torch.bool)
         cont += (run.long().cumprod(1).sum(1) - (r + 1))[right].tolist()
+        cont_slot += r[right].tolist()
     out = {"continuation_accepted_mean": sum(acc) / max(len(acc), 1), "blocks": len(acc)}
     if first is not None:
         def mean(x):
@@ -251,6 +263,14 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
                                    "recovery_top1": mean(rec1), f"recovery_top{width}": mean(recw),
                                    "first_next_top1": mean(fst1), f"first_next_top{width}": mean(fstw),
                                    "recovery_continuation_when_right": mean(cont)}
+
+        def at1(x, where):  # the slot-1 failures alone: all that --branch-drafter joint asks of it
+            return mean([v for v, r in zip(x, where) if r == 1])
+
+        out["at_slot1_failure"] = {"anchors": slot.count(1), "width": width,
+                                   "recovery_top1": at1(rec1, slot), f"recovery_top{width}": at1(recw, slot),
+                                   "first_next_top1": at1(fst1, slot), f"first_next_top{width}": at1(fstw, slot),
+                                   "recovery_continuation_when_right": at1(cont, cont_slot)}
     return out
 
 
@@ -258,6 +278,8 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
     """`first`: the first drafter (frozen), needed for cfg.fail_share > 0 or cfg.exclude_chain."""
     if (cfg.fail_share > 0 or cfg.exclude_chain) and first is None:
         raise ValueError("fail_share and exclude_chain need the first drafter")
+    if cfg.branch_only and not cfg.exclude_chain:
+        raise ValueError("branch_only is a weighting of exclude_chain's blocks: set exclude_chain too")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     mask_id = drafter.config.mask_token_id
@@ -293,16 +315,16 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
         feats = dfo.target_features(target, ids, layer_ids)
         if first is not None:
             chain, fail = first_drafter_chain(first, feats, ids, lens, anchors, b, mask_id)
-            prefixes = place_prefixes(anchors, lens, fail, b, rng, cfg.fail_share)
+            prefixes = place_prefixes(anchors, lens, fail, b, rng, cfg.fail_share, cfg.max_prefix)
         else:
-            prefixes = [sample_prefixes(a, n, b, rng) for a, n in zip(anchors, lens)]
+            prefixes = [sample_prefixes(a, n, b, rng, max_prefix=cfg.max_prefix) for a, n in zip(anchors, lens)]
         blocks = make_prefix_blocks(ids, lens, anchors, prefixes, b, mask_id)
         flat = torch.tensor([p for ps in prefixes for p in ps])
         hidden = dfo.drafter_forward(drafter, feats, blocks)
         logits = drafter.logits(hidden)
         weights = prefix_weights(flat, b, cfg.gamma)
         if cfg.exclude_chain:
-            logits, weights = exclusion_at_prefix(logits, blocks.labels, weights, chain, flat)
+            logits, weights = exclusion_at_prefix(logits, blocks.labels, weights, chain, flat, cfg.branch_only)
         loss = weighted_ce_rows(logits, blocks.labels, weights)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -330,7 +352,8 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     raw = dict(dc.raw)
     ada = dict(raw.get("adaflash_config") or {})
     shared = {"shared": cfg.share} if cfg.share else {}
-    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, dc.block_size - 2], initialised_from="dflash drafter", **shared)
+    top = dc.block_size - 2 if cfg.max_prefix is None else min(cfg.max_prefix, dc.block_size - 2)
+    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, top], initialised_from="dflash drafter", **shared)
     raw["adaflash_config"] = ada
     dc = dc.replace(raw=raw)
     dtype = getattr(torch, cfg.save_dtype)
@@ -357,6 +380,14 @@ def main(argv=None) -> int:
                          "checkpoint so that the engine ties them: 'context' (the context and block K/V "
                          "path: one context cache for both drafters), 'attention' (also layer 0's queries "
                          "and output projection)")
+    ap.add_argument("--max-prefix", type=int, default=None,
+                    help="train prefixes 0..P only (0: the slot-1 branch, all --branch-drafter joint "
+                         "asks of the recovery drafter); recorded as the checkpoint's prefix_range")
+    ap.add_argument("--branch-only", action="store_true",
+                    help="with --exclude-chain: a block weighs nothing where the chain's token after its "
+                         "prefix is right (the branch is read only where it is rejected)")
+    ap.add_argument("--gamma", type=float, default=RecoveryTrainConfig.gamma,
+                    help="slot k > p weighs exp(-(k-p-1)/gamma)")
     ap.add_argument("--lr", type=float, default=RecoveryTrainConfig.lr)
     ap.add_argument("--seed", type=int, default=RecoveryTrainConfig.seed)
     ap.add_argument("--data", required=True, type=Path, help="regenerated responses (JSONL)")
@@ -372,9 +403,16 @@ def main(argv=None) -> int:
 
     if not 0.0 <= args.fail_share <= 1.0:
         ap.error(f"--fail-share must be in [0, 1], got {args.fail_share}")
+    if args.max_prefix is not None and args.max_prefix < 0:
+        ap.error(f"--max-prefix must be >= 0, got {args.max_prefix}")
+    if args.branch_only and not args.exclude_chain:
+        ap.error("--branch-only needs --exclude-chain")
+    if args.gamma <= 0:
+        ap.error(f"--gamma must be > 0, got {args.gamma}")
     cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads, fail_share=args.fail_share,
                               exclude_chain=args.exclude_chain, lr=args.lr, min_lr=args.lr / 10, seed=args.seed,
-                              share=args.share)
+                              share=args.share, max_prefix=args.max_prefix, branch_only=args.branch_only,
+                              gamma=args.gamma)
     torch.set_num_threads(cfg.threads)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))

@@ -166,6 +166,8 @@ def test_evaluation_at_first_failure_reads_both_drafters():
     assert f["anchors"] > 0 and f["width"] == 2
     assert 0 <= f["recovery_top1"] <= f["recovery_top2"] <= 1
     assert 0 <= f["first_next_top1"] <= f["first_next_top2"] <= 1
+    s1 = out["at_slot1_failure"]  # a subset of the first-failure anchors
+    assert 0 < s1["anchors"] <= f["anchors"] and 0 <= s1["recovery_top1"] <= s1["recovery_top2"] <= 1
     assert "at_first_failure" not in rec.evaluate(target, d, seqs, [0, 1], 4, MASK, 0)
 
 
@@ -186,3 +188,53 @@ def test_export_writes_a_recovery_checkpoint_under_the_version_asked(tmp_path):
     assert manifest["version"] == "recovery-v7" and manifest["parent"] is None
     verify_manifest_files(out)
     check_recovery_config(read_config(out), first, str(out))  # the engine's check accepts it
+
+
+def test_max_prefix_caps_sampled_and_placed_prefixes():
+    """`--max-prefix 0` trains the slot-1 branch alone: no sampled prefix above the cap, and a
+    failure past slot cap + 1 is not placed (its anchor keeps a sampled prefix)."""
+    rng = random.Random(0)
+    for cap in (0, 3):
+        for _ in range(200):
+            (p,) = rec.sample_prefixes([5], 40, 16, rng, max_prefix=cap)
+            assert 0 <= p <= cap
+    fail = torch.tensor([1, 5, 3, 16])
+    placed = rec.place_prefixes([[4, 9], [2, 7]], [40, 40], fail, 16, random.Random(1), share=1.0, max_prefix=2)
+    assert placed[0][0] == 0 and placed[1][0] == 2  # failures at slots 1 and 3 placed
+    assert placed[0][1] <= 2 and placed[1][1] <= 2  # slot 5 is past the cap: sampled, capped
+    assert rec.place_prefixes([[4]], [40], torch.tensor([5]), 16, random.Random(1), 1.0, max_prefix=0) == [[0]]
+
+
+def test_branch_only_drops_whole_blocks_where_the_chain_is_right():
+    labels = torch.tensor([[IGNORE, 5, 6, 7], [IGNORE, 4, 2, 3]])
+    chain = torch.tensor([[0, 4, 6, 1], [0, 4, 2, 5]])  # row 0: slot 1 wrong; row 1: slot 1 right
+    prefixes = torch.tensor([0, 0])
+    logits = torch.zeros(2, 4, 8)
+    w = rec.prefix_weights(prefixes, 4, 7.0)
+    _, plain = rec.exclusion_at_prefix(logits, labels, w, chain, prefixes)
+    _, only = rec.exclusion_at_prefix(logits, labels, w, chain, prefixes, branch_only=True)
+    assert plain[1, 1] == 0 and plain[1, 2:].gt(0).all()  # without it, the later slots keep their weight
+    assert (only[1] == 0).all() and torch.equal(only[0], plain[0])
+
+
+def test_recipe_options_recorded_and_checked(tmp_path, capsys):
+    import json
+
+    import pytest
+    from transformers import Qwen3Config
+
+    from sglang_adaflash.drafter.checkpoint import read_config
+
+    Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2).save_pretrained(tmp_path / "target")
+    out = rec.export(_toy_drafter(), tmp_path / "target", tmp_path / "rec",
+                     rec.RecoveryTrainConfig(steps=1, max_prefix=0), {"steps": 1}, {"trained": {}})
+    assert read_config(out).raw["adaflash_config"]["recovery_drafter"]["prefix_range"] == [0, 0]
+    assert json.loads((out / "manifest.json").read_text())["version"] == "recovery-v1"
+    with pytest.raises(ValueError, match="exclude_chain"):
+        rec.train(None, None, _toy_drafter(), [], rec.RecoveryTrainConfig(branch_only=True), tmp_path / "w",
+                  first=_toy_drafter())
+    for bad, msg in ((["--branch-only"], "needs --exclude-chain"), (["--max-prefix", "-1"], ">= 0"),
+                     (["--gamma", "0"], "> 0")):
+        with pytest.raises(SystemExit):
+            rec.main(["--target", "t", "--init", "i", "--data", "d", "--work", "w", "--out", "o", *bad])
+        assert msg in capsys.readouterr().err

@@ -364,6 +364,18 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     return out
 
 
+def _init_name(init: Path) -> str:
+    """What training started from, for the manifest: a checkpoint's version, else the file's name
+    (no machine paths)."""
+    manifest = init / "manifest.json"
+    if manifest.is_file():
+        try:
+            return str(json.loads(manifest.read_text())["version"])
+        except (ValueError, KeyError):
+            pass
+    return init.name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training_job.d2sd_recovery", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, type=Path)
@@ -437,7 +449,7 @@ def main(argv=None) -> int:
     after = evaluate(target, drafter, ev, layer_ids, b, mask_id, tokenizer.pad_token_id, first=first)
     print(json.dumps({"eval_after": after}), flush=True)
     training = {"algorithm": "d2sd-recovery-offline", "records": len(seqs), **stats, "config": asdict(cfg),
-                "domains": sorted(domains)}
+                "domains": sorted(domains), "init": _init_name(args.init)}
     evaluation = {"init": before, "trained": after,
                   "method": "accepted continuation after a true prefix p in [0, B-2], 4 anchors per held-out response"}
     export(drafter, args.target, args.out, cfg, training, evaluation, version=args.version)

@@ -14,6 +14,9 @@ against `ar`'s, token for token.
     python benchmarks/d2sd/joint_sweep.py --out benchmarks/d2sd/joint_sweep.json
 
 `--trees` picks the rows (by name, comma-separated) instead of the default set.
+`--recovery NAME=DIR` (repeatable) adds a row "joint-NAME k3 w3 l2" serving the recovery drafter
+in DIR with the recommended joint tree, to compare a retrained one with the shipped ones in the
+same rounds.
 """
 
 from __future__ import annotations
@@ -79,21 +82,33 @@ def main(argv=None) -> int:
     ap.add_argument("--price-scale", type=float, nargs="*", default=[0.5, 1.5])
     ap.add_argument("--trees", default=",".join(DEFAULT_TREES),
                     help=f"comma-separated rows to sweep beside ar and dflash, of: {', '.join(TREES)}")
+    ap.add_argument("--recovery", action="append", default=[], metavar="NAME=DIR",
+                    help="also a joint k3 w3 l2 row with the recovery drafter in DIR")
     args = ap.parse_args(argv)
     trees = [t.strip() for t in args.trees.split(",") if t.strip()]
     if unknown := [t for t in trees if t not in TREES]:
         ap.error(f"unknown trees {unknown}; known: {', '.join(TREES)}")
+    extra = {}
+    for spec in args.recovery:
+        name, sep, where = spec.partition("=")
+        if not sep or not name or not where:
+            ap.error(f"--recovery wants NAME=DIR, got {spec!r}")
+        extra[name] = Path(where)
     torch.set_num_threads(1)
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
     recovery = load_recovery_drafter(RECOVERY_DIR, pair.drafter)
     recoveries = {"embedded": recovery, "embedded-shared": load_recovery_drafter(RECOVERY_SHARED_DIR, pair.drafter),
                   None: None}
+    for name, where in extra.items():
+        recoveries[name] = load_recovery_drafter(where, pair.drafter)
+    all_trees = {**TREES, **{f"joint-{name} k3 w3 l2": ("joint", 3, 3, 2, name) for name in extra}}
+    trees += [f"joint-{name} k3 w3 l2" for name in extra]
     cfg = BenchConfig(target=str(TARGET_DIR), drafter=str(DRAFTER_DIR), prompts=[], max_new_tokens=64)
     wl = build_workload(read_prompts([str(PROMPTS)]), pair, cfg, 16)
     engines = {"ar": make_engine(pair, "ar", 1, 600, 0, num_requests=16),
                "dflash": make_engine(pair, "dflash", 1, 600, 0, num_requests=16)}
     for name in trees:
-        src, k, w, ln, rec = TREES[name]
+        src, k, w, ln, rec = all_trees[name]
         engines[name] = D2SDEngine(pair.target, pair.drafter, recoveries[rec],
                                    branch_drafter=src, tree_k=k, branch_width=w, branch_len=ln,
                                    tree_rule="load_aware", max_batch_size=1, max_seq_len=600)
@@ -130,7 +145,9 @@ def main(argv=None) -> int:
         }
     scales = "" if args.price_scale == [0.5, 1.5] else " ".join([" --price-scale", *map(str, args.price_scale)])
     repeats = "" if args.repeats == 3 else f" --repeats {args.repeats}"
-    chosen = "" if trees == DEFAULT_TREES else f" --trees '{','.join(trees)}'"
+    chosen = "" if trees == DEFAULT_TREES + [f"joint-{n} k3 w3 l2" for n in extra] else \
+        f" --trees '{','.join(t for t in trees if t in TREES)}'"
+    chosen += "".join(f" --recovery {name}={where.name}" for name, where in extra.items())
     report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales}{repeats}{chosen} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats, "tree_rule": "load_aware"},

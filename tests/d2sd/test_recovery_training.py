@@ -238,3 +238,12 @@ def test_recipe_options_recorded_and_checked(tmp_path, capsys):
         with pytest.raises(SystemExit):
             rec.main(["--target", "t", "--init", "i", "--data", "d", "--work", "w", "--out", "o", *bad])
         assert msg in capsys.readouterr().err
+
+
+def test_init_is_named_by_its_version_or_file_name(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "manifest.json").write_text('{"version": "recovery-shared-v1"}')
+    assert rec._init_name(tmp_path / "ck") == "recovery-shared-v1"
+    assert rec._init_name(tmp_path / "drafter_ckpt.pt") == "drafter_ckpt.pt"
+    (tmp_path / "ck" / "manifest.json").write_text("{torn")
+    assert rec._init_name(tmp_path / "ck") == "ck"

@@ -104,7 +104,7 @@ def options_from_args(args, modes: list[str]) -> D2SDOptions | None:
 def attach_recovery(pair, options: D2SDOptions | None) -> None:
     """Load the recovery drafter next to the pair's first drafter (CLIError when it is unusable)."""
     from ..drafter.checkpoint import CheckpointError
-    from .recovery_drafter import load_recovery_drafter
+    from .recovery_drafter import load_recovery_drafter, source_limitation
 
     if options is None:
         return
@@ -121,6 +121,10 @@ def attach_recovery(pair, options: D2SDOptions | None) -> None:
         raise CLIError(" ".join(str(e).split())) from None
     except (OSError, RuntimeError, ValueError) as e:
         raise CLIError(f"recovery drafter {options.recovery_drafter} cannot be loaded: {' '.join(str(e).split())}") from None
+    why = source_limitation(options.branch_drafter, pair.recovery)
+    if why is not None:
+        raise CLIError(f"recovery drafter {options.recovery_drafter} cannot serve --branch-drafter "
+                       f"{options.branch_drafter}: {why}")
     if options.branch_drafter == "joint":
         from .joint import incompatibility
 

@@ -29,7 +29,7 @@ from ..planner.calibration import SurvivalPosterior
 from ..target.hf_target import HFTarget
 from . import BRANCH_DRAFTERS, TREE_RULES, cascade, joint
 from .recovery import TreeCost, plan_tree
-from .recovery_drafter import TreeProposer
+from .recovery_drafter import TreeProposer, source_limitation
 from .tree import Branch, TreeRow, build_row, flatten
 from .tree_target import TreeForward, commit_paths, gather_nodes, tree_forward
 from .tree_verify import PathResult, greedy_reads, greedy_walk, sampling_walk
@@ -97,6 +97,8 @@ class D2SDEngine(SpecEngine):
             recovery = None  # neither run nor given a context
         if branch_drafter == "joint" and (why := joint.incompatibility(drafter, recovery)) is not None:
             raise ValueError(f"branch_drafter 'joint' runs both drafters as one stacked forward, but {why}")
+        if (why := source_limitation(branch_drafter, recovery)) is not None:
+            raise ValueError(f"this recovery drafter cannot serve branch_drafter {branch_drafter!r}: {why}")
         for d in (drafter, recovery):
             if d is not None:
                 d.share_target_modules(target.embed_tokens, target.lm_head)

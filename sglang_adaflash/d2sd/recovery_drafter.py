@@ -9,7 +9,9 @@ engine uses it to continue a recovery branch: the known slots are the first draf
 up to slot r-1 and the alternative token chosen for slot r.
 
 A recovery checkpoint declares itself in config.json under
-`adaflash_config.recovery_drafter` = {"format": 1, "prefix": "variable", ...}, and must read
+`adaflash_config.recovery_drafter` = {"format": 1, "prefix": "variable", ...}; its optional
+`prefix_range` [0, P] says which prefixes it was trained on (P = 0: the slot-1 branch alone, all
+that `--branch-drafter joint` asks of it). It must read
 the same target layers with the same block size, mask token and sizes as the first drafter it
 serves with (the engine captures one set of target features for both).
 """
@@ -51,6 +53,12 @@ def check_recovery_config(cfg, first, where: str) -> None:
             f"{where}: adaflash_config.{RECOVERY_KEY} is {marker!r}; this engine reads format "
             f"{RECOVERY_FORMAT} with prefix 'variable'"
         )
+    span = marker.get("prefix_range")
+    if span is not None and not (isinstance(span, list) and len(span) == 2
+                                 and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+                                 and span[0] == 0 and 0 <= span[1] <= cfg.block_size - 2):
+        raise CheckpointError(f"{where}: adaflash_config.{RECOVERY_KEY}.prefix_range is {span!r}; this engine "
+                              f"reads [0, P] with 0 <= P <= block_size - 2 = {cfg.block_size - 2}")
     shared = marker.get("shared")
     if shared is not None and shared not in SHARING:
         raise CheckpointError(f"{where}: adaflash_config.{RECOVERY_KEY}.shared is {shared!r}; this engine "
@@ -64,6 +72,30 @@ def check_recovery_config(cfg, first, where: str) -> None:
                 f"{where}: {name} is {a}, the first drafter's is {b}; a recovery drafter must be trained "
                 "for the same target features and block as the drafter it serves with"
             )
+
+
+def prefix_limit(cfg) -> int:
+    """The longest prefix the checkpoint was trained on: its prefix_range's end, else the block's."""
+    marker = (cfg.raw.get("adaflash_config") or {}).get(RECOVERY_KEY) or {}
+    span = marker.get("prefix_range")
+    return cfg.block_size - 2 if span is None else int(span[1])
+
+
+def source_limitation(branch_drafter: str, recovery: DFlashDrafter | None) -> str | None:
+    """Why this recovery drafter cannot serve that branch source, or None.
+
+    Sources "recovery" and "auto" may branch at any chain slot r, a prefix of r - 1 tokens; a
+    checkpoint trained on shorter prefixes only would be asked for blocks it never saw (still
+    lossless, since the target verifies every node, but its branches would be guesses).
+    "joint" asks for the slot-1 branch alone (prefix 0), which every checkpoint covers."""
+    if recovery is None or branch_drafter not in ("recovery", "auto"):
+        return None
+    top, most = prefix_limit(recovery.config), recovery.config.block_size - 2
+    if top >= most:
+        return None
+    return (f"it was trained on prefixes 0..{top} only (prefix_range [0, {top}]: branches at chain slots "
+            f"1..{top + 1}), and --branch-drafter {branch_drafter} branches at any slot up to {most + 1}; "
+            "serve it with --branch-drafter joint, or train one with a longer --max-prefix")
 
 
 def load_recovery_drafter(path: str | os.PathLike, first: DFlashDrafter, *, dtype=None, device="cpu") -> DFlashDrafter:

@@ -237,3 +237,41 @@ def test_a_shared_module_marker_ties_serves_equal_to_ar_and_a_bad_one_is_refused
     cfg["num_attention_heads"] *= 2  # refused from config.json alone, before any weights are read
     (other / "config.json").write_text(json.dumps(cfg))
     _refused(capsys, tiny_pair, other, "num_attention_heads", "first drafter")
+
+
+def test_prefix_range_limits_the_branch_sources_and_a_bad_one_is_refused(tiny_pair, tmp_path, capsys):
+    """A checkpoint trained for the slot-1 branch alone (prefix_range [0, 0], `--max-prefix 0`)
+    serves joint drafting equal to ar, and is refused for the sources that branch deeper; a
+    malformed range is refused before anything runs."""
+    ar = _generate(capsys, tiny_pair, mode="ar")[1]
+    top = load_drafter(tiny_pair.drafter_dir).config.block_size - 2
+    slot1 = make_recovery(tiny_pair.drafter_dir, tmp_path / "slot1", marker=recovery_marker(prefix_range=[0, 0]))
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", slot1, "--branch-drafter", "joint",
+                             "--tree-k", 3, "--branch-width", 2)
+    assert rc == 0, err
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+    for source in ("recovery", "auto"):
+        rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", slot1, "--branch-drafter", source)
+        assert rc == 2 and not out and "Traceback" not in err
+        line = err.strip().splitlines()[-1]
+        assert f"--branch-drafter {source}" in line and "prefix_range [0, 0]" in line, line
+    full = make_recovery(tiny_pair.drafter_dir, tmp_path / "full", marker=recovery_marker(prefix_range=[0, top]))
+    rc, out, err = _generate(capsys, tiny_pair, "--recovery-drafter", full, "--branch-drafter", "recovery")
+    assert rc == 0, err
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ar]
+    for n, span in enumerate(([1, 3], [0, top + 1], [0], "0-3", [0, 1.5], [0, -1])):
+        bad = make_recovery(tiny_pair.drafter_dir, tmp_path / f"bad{n}", marker=recovery_marker(prefix_range=span))
+        _refused(capsys, tiny_pair, bad, "prefix_range")
+
+
+def test_engine_refuses_a_short_prefix_range_for_deep_sources(tiny_pair, tmp_path):
+    from sglang_adaflash.d2sd.engine import D2SDEngine
+    from sglang_adaflash.d2sd.recovery_drafter import load_recovery_drafter
+    from sglang_adaflash.launch.loading import load_pair
+
+    pair = load_pair(tiny_pair.target_dir, tiny_pair.drafter_dir, dtype="float32")
+    rec = load_recovery_drafter(make_recovery(tiny_pair.drafter_dir, tmp_path / "r",
+                                              marker=recovery_marker(prefix_range=[0, 1])), pair.drafter)
+    with pytest.raises(ValueError, match=r"prefix_range \[0, 1\]"):
+        D2SDEngine(pair.target, pair.drafter, rec, branch_drafter="recovery", max_batch_size=1, max_seq_len=64)
+    D2SDEngine(pair.target, pair.drafter, rec, branch_drafter="joint", max_batch_size=1, max_seq_len=64)

@@ -48,8 +48,9 @@ def add_d2sd_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mode d2sd (dual-drafter prefix trees)")
     g.add_argument("--recovery-drafter", metavar="DIR", type=_recovery_dir,
                    help="variable-prefix recovery drafter checkpoint, or `embedded` for the bundled one, "
-                        "or `embedded-shared` for the bundled one that shares the first drafter's "
-                        "context modules (one context cache; the faster with --branch-drafter joint)")
+                        "or `embedded-shared` for the bundled one made for --branch-drafter joint: it "
+                        "shares the first drafter's context modules (one context cache) and was trained "
+                        "for the slot-1 branch alone (refused by the sources that branch deeper)")
     g.add_argument("--tree-k", type=_count, default=D2SDOptions.tree_k,
                    help=f"most recovery branches per request and step (default {D2SDOptions.tree_k}; 0 = a chain)")
     g.add_argument("--branch-len", type=_count, default=D2SDOptions.branch_len,

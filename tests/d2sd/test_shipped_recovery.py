@@ -48,5 +48,11 @@ def test_shipped_shared_recovery_drafter_ties_to_the_shipped_first_drafter():
     assert not torch.equal(stored.layers[0].mlp.up_proj.weight, first.layers[0].mlp.up_proj.weight)
     assert read_config(RECOVERY_SHARED_DIR).raw["adaflash_config"][RECOVERY_KEY]["shared"] == "context"
     assert sharing(first, load_recovery_drafter(RECOVERY_SHARED_DIR, first)) == "context"
+    # trained for the slot-1 branch that --branch-drafter joint reads, and better there than
+    # its initialisation (the first drafter) and than the first drafter's own next ranks
+    assert read_config(RECOVERY_SHARED_DIR).raw["adaflash_config"][RECOVERY_KEY]["prefix_range"] == [0, 0]
     ev = manifest["eval"]
-    assert ev["trained"]["continuation_accepted_mean"] > ev["init"]["continuation_accepted_mean"]
+    at1, before = ev["trained"]["at_slot1_failure"], ev["init"]["at_slot1_failure"]
+    assert at1["anchors"] == before["anchors"] > 100
+    assert at1["recovery_top1"] > before["recovery_top1"] and at1["recovery_top1"] > at1["first_next_top1"]
+    assert at1["recovery_top4"] > before["recovery_top4"]

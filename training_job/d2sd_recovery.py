@@ -24,6 +24,13 @@ slot p + 1 is trained the way it is read: cross-entropy with the first drafter's
 removed from the softmax (where that token is the right one the branch never matters, and the
 slot gets no weight; the later slots keep theirs).
 
+One branch source (`--branch-drafter joint`) asks the recovery drafter for the slot-1 branch
+alone: `--max-prefix 0` trains prefix 0 only (any P caps p at P, recorded as the checkpoint's
+prefix_range [0, P], which the engine then refuses for the sources that branch deeper),
+`--branch-only` drops whole blocks where the chain's token after the prefix is right (a
+branch's later slots are read only behind its first token), and `--gamma` sets how fast the
+later slots' weights fall.
+
 Output: a DFlash-format checkpoint (config.json, model.safetensors, manifest.json) whose
 config.json carries adaflash_config.recovery_drafter (see sglang_adaflash.d2sd.recovery_drafter).
 The loop checkpoints atomically every `ckpt_every` steps and resumes.
@@ -343,7 +350,7 @@ def train(target, tokenizer, drafter, seqs, cfg: RecoveryTrainConfig, work: Path
 
 
 def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, training: dict, evaluation: dict,
-           version: str = "recovery-v1") -> Path:
+           version: str = "recovery-v1", initialised_from: str = "dflash drafter") -> Path:
     from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY, recovery_marker
     from sglang_adaflash.drafter.checkpoint import write_checkpoint
     from sglang_adaflash.drafter.manifest import build_manifest, target_fingerprint
@@ -353,7 +360,7 @@ def export(drafter, target_dir: Path, out: Path, cfg: RecoveryTrainConfig, train
     ada = dict(raw.get("adaflash_config") or {})
     shared = {"shared": cfg.share} if cfg.share else {}
     top = dc.block_size - 2 if cfg.max_prefix is None else min(cfg.max_prefix, dc.block_size - 2)
-    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, top], initialised_from="dflash drafter", **shared)
+    ada[RECOVERY_KEY] = recovery_marker(prefix_range=[0, top], initialised_from=initialised_from, **shared)
     raw["adaflash_config"] = ada
     dc = dc.replace(raw=raw)
     dtype = getattr(torch, cfg.save_dtype)
@@ -371,7 +378,7 @@ def _init_name(init: Path) -> str:
     if manifest.is_file():
         try:
             return str(json.loads(manifest.read_text())["version"])
-        except (ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable, torn, or not an object
             pass
     return init.name
 
@@ -419,8 +426,8 @@ def main(argv=None) -> int:
         ap.error(f"--max-prefix must be >= 0, got {args.max_prefix}")
     if args.branch_only and not args.exclude_chain:
         ap.error("--branch-only needs --exclude-chain")
-    if args.gamma <= 0:
-        ap.error(f"--gamma must be > 0, got {args.gamma}")
+    if not args.gamma > 0 or args.gamma == float("inf"):  # (NaN fails the first test)
+        ap.error(f"--gamma must be a finite number > 0, got {args.gamma}")
     cfg = RecoveryTrainConfig(steps=args.steps, threads=args.threads, fail_share=args.fail_share,
                               exclude_chain=args.exclude_chain, lr=args.lr, min_lr=args.lr / 10, seed=args.seed,
                               share=args.share, max_prefix=args.max_prefix, branch_only=args.branch_only,
@@ -430,6 +437,13 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     mask_id = tokenizer.convert_tokens_to_ids(cf.MASK)
     drafter = load_init(args.init, target, mask_id)
+    if args.max_prefix is not None and args.max_prefix > drafter.config.block_size - 2:
+        ap.error(f"--max-prefix must be at most block_size - 2 = {drafter.config.block_size - 2}, got {args.max_prefix}")
+    from sglang_adaflash.d2sd.recovery_drafter import RECOVERY_KEY
+
+    # a recovery drafter trained on (--init one) says so in the marker it exports
+    started = ("recovery drafter " + _init_name(args.init)
+               if RECOVERY_KEY in (drafter.config.raw.get("adaflash_config") or {}) else "dflash drafter")
     drafter.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
     first = load_init(args.first or args.init, target, mask_id).eval()
     first.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
@@ -452,7 +466,7 @@ def main(argv=None) -> int:
                 "domains": sorted(domains), "init": _init_name(args.init)}
     evaluation = {"init": before, "trained": after,
                   "method": "accepted continuation after a true prefix p in [0, B-2], 4 anchors per held-out response"}
-    export(drafter, args.target, args.out, cfg, training, evaluation, version=args.version)
+    export(drafter, args.target, args.out, cfg, training, evaluation, version=args.version, initialised_from=started)
     return 0
 
 

@@ -75,6 +75,17 @@ class ScaledPrice(D2SDEngine):
         return replace(cost, per_token=cost.per_token * self.scale)
 
 
+def _portable(path: Path) -> str:
+    """A --recovery directory as the command records it: relative to the repository when inside it,
+    as given when relative, else its name alone (no machine paths)."""
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -93,6 +104,9 @@ def main(argv=None) -> int:
         name, sep, where = spec.partition("=")
         if not sep or not name or not where:
             ap.error(f"--recovery wants NAME=DIR, got {spec!r}")
+        if name in ("embedded", "embedded-shared") or name in extra or f"joint-{name} k3 w3 l2" in TREES:
+            ap.error(f"--recovery name {name!r} is taken (by a shipped drafter, a built-in row or an earlier "
+                     "--recovery): choose another")
         extra[name] = Path(where)
     torch.set_num_threads(1)
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
@@ -147,7 +161,7 @@ def main(argv=None) -> int:
     repeats = "" if args.repeats == 3 else f" --repeats {args.repeats}"
     chosen = "" if trees == DEFAULT_TREES + [f"joint-{n} k3 w3 l2" for n in extra] else \
         f" --trees '{','.join(t for t in trees if t in TREES)}'"
-    chosen += "".join(f" --recovery {name}={where.name}" for name, where in extra.items())
+    chosen += "".join(f" --recovery {name}={_portable(where)}" for name, where in extra.items())
     report = {"command": f"python benchmarks/d2sd/joint_sweep.py{scales}{repeats}{chosen} --out {args.out}",
               "settings": {"dtype": "float32", "threads": 1, "concurrency": 1, "requests": 16, "max_new_tokens": 64,
                            "repeats": args.repeats, "tree_rule": "load_aware"},

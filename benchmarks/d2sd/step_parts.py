@@ -99,6 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--branch-width", type=int, default=4)
     ap.add_argument("--branch-len", type=int, default=4)
     args = ap.parse_args(argv)
+    if args.recovery_drafter == "embedded-shared" and (deep := [s for s in args.sources.split(",")
+                                                             if s in ("recovery", "auto")]):
+        ap.error(f"--recovery-drafter embedded-shared is trained for the slot-1 branch alone (joint drafting); "
+                 f"sources {deep} branch deeper: pass --sources joint (or first)")
     torch.set_num_threads(1)
     totals: dict[str, float] = defaultdict(float)
     _instrument(totals)

@@ -272,6 +272,7 @@ def test_engine_refuses_a_short_prefix_range_for_deep_sources(tiny_pair, tmp_pat
     pair = load_pair(tiny_pair.target_dir, tiny_pair.drafter_dir, dtype="float32")
     rec = load_recovery_drafter(make_recovery(tiny_pair.drafter_dir, tmp_path / "r",
                                               marker=recovery_marker(prefix_range=[0, 1])), pair.drafter)
-    with pytest.raises(ValueError, match=r"prefix_range \[0, 1\]"):
-        D2SDEngine(pair.target, pair.drafter, rec, branch_drafter="recovery", max_batch_size=1, max_seq_len=64)
+    for source in ("recovery", "auto"):
+        with pytest.raises(ValueError, match=r"prefix_range \[0, 1\]"):
+            D2SDEngine(pair.target, pair.drafter, rec, branch_drafter=source, max_batch_size=1, max_seq_len=64)
     D2SDEngine(pair.target, pair.drafter, rec, branch_drafter="joint", max_batch_size=1, max_seq_len=64)

@@ -229,12 +229,16 @@ def test_recipe_options_recorded_and_checked(tmp_path, capsys):
     out = rec.export(_toy_drafter(), tmp_path / "target", tmp_path / "rec",
                      rec.RecoveryTrainConfig(steps=1, max_prefix=0), {"steps": 1}, {"trained": {}})
     assert read_config(out).raw["adaflash_config"]["recovery_drafter"]["prefix_range"] == [0, 0]
+    again = rec.export(_toy_drafter(), tmp_path / "target", tmp_path / "rec2", rec.RecoveryTrainConfig(steps=1),
+                       {"steps": 1}, {"trained": {}}, initialised_from="recovery drafter recovery-shared-v1")
+    marker = read_config(again).raw["adaflash_config"]["recovery_drafter"]
+    assert marker["initialised_from"] == "recovery drafter recovery-shared-v1" and marker["prefix_range"] == [0, 2]
     assert json.loads((out / "manifest.json").read_text())["version"] == "recovery-v1"
     with pytest.raises(ValueError, match="exclude_chain"):
         rec.train(None, None, _toy_drafter(), [], rec.RecoveryTrainConfig(branch_only=True), tmp_path / "w",
                   first=_toy_drafter())
     for bad, msg in ((["--branch-only"], "needs --exclude-chain"), (["--max-prefix", "-1"], ">= 0"),
-                     (["--gamma", "0"], "> 0")):
+                     (["--gamma", "0"], "> 0"), (["--gamma", "nan"], "> 0"), (["--gamma", "inf"], "> 0")):
         with pytest.raises(SystemExit):
             rec.main(["--target", "t", "--init", "i", "--data", "d", "--work", "w", "--out", "o", *bad])
         assert msg in capsys.readouterr().err
@@ -245,5 +249,6 @@ def test_init_is_named_by_its_version_or_file_name(tmp_path):
     (tmp_path / "ck" / "manifest.json").write_text('{"version": "recovery-shared-v1"}')
     assert rec._init_name(tmp_path / "ck") == "recovery-shared-v1"
     assert rec._init_name(tmp_path / "drafter_ckpt.pt") == "drafter_ckpt.pt"
-    (tmp_path / "ck" / "manifest.json").write_text("{torn")
-    assert rec._init_name(tmp_path / "ck") == "ck"
+    for broken in ("{torn", "[1, 2]", '"v1"'):  # torn, or valid JSON that is not an object
+        (tmp_path / "ck" / "manifest.json").write_text(broken)
+        assert rec._init_name(tmp_path / "ck") == "ck"

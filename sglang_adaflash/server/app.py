@@ -17,7 +17,6 @@ boundary, which frees its slot for the next request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,6 +28,7 @@ from starlette.requests import Request as HTTPRequest
 from ..core.sampling import SamplingParams
 from ..engine.request import Request
 from ..launch.prompts import encode_prompt
+from ..validation import parse_json_body
 from . import sse
 from .engine_loop import ACCEPTED, DONE, FAILED, TOKENS, EngineLoop, Job, LoopClosed, QueueFull
 from .protocol import (
@@ -37,6 +37,7 @@ from .protocol import (
     CompletionRequest,
     ResponseBuilder,
     bad_request,
+    check_text,
     error_body,
     new_id,
     parse,
@@ -239,11 +240,10 @@ class AdaFlashServer:
     async def _serve(self, request, chat: bool):
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
+            body = parse_json_body(await request.body())
+        except ValueError as e:
+            raise bad_request(str(e)) from None
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         req.check_supported()
         self._check_model(req.model)
@@ -254,6 +254,7 @@ class AdaFlashServer:
         temperature, top_p, top_k = req.sampling_values()
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=limit,
                                   stop_token_ids=() if req.ignore_eos else self.stop_token_ids, seed=req.seed)
+        sampling = sampling.canonical(self.engine.target.vocab_size)  # what the engine does, as recorded
         headers = request.headers
         rid = new_id("chatcmpl" if chat else "cmpl")
         handle = _Handle()
@@ -303,8 +304,11 @@ class AdaFlashServer:
         if chat:
             if tok is None or not getattr(tok, "chat_template", None):
                 raise bad_request("the served model's tokenizer has no chat template: use /v1/completions")
+            conversation = req.conversation()
+            for message in conversation:
+                check_text(message["content"], "messages")
             try:
-                out = tok.apply_chat_template(req.conversation(), add_generation_prompt=True, tokenize=True)
+                out = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
             except Exception as e:  # jinja errors, roles the template refuses
                 raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
             ids = out["input_ids"] if hasattr(out, "keys") else out
@@ -314,6 +318,7 @@ class AdaFlashServer:
             return prompt  # token ids: the engine checks the range
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
+        check_text(prompt, "prompt")
         if tok is None:
             raise bad_request("the served model has no tokenizer: send the prompt as token ids", "prompt")
         try:

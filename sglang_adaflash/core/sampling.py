@@ -18,9 +18,6 @@ import torch
 #: logits by a smaller T overflows (1e-38 gives inf, 1e-300 rounds to 0 and gives NaN). The same
 #: epsilon as vLLM's; SGLang uses 1e-6.
 SAMPLING_EPS = 1e-5
-#: Largest top_k accepted: beyond any vocabulary (every value at or past the vocabulary keeps
-#: all of it, like 0); a larger number is a mistake, not a setting.
-MAX_TOP_K = 2**31 - 1
 # The temperature a sampled row is divided by is clamped to [SAMPLING_EPS, _MAX_T]: a float64
 # temperature past float32's range would become inf, and logits / inf is 0 or NaN.
 _MAX_T = torch.finfo(torch.float32).max
@@ -55,9 +52,8 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
             raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise RequestError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), "
-                               f"got {self.top_k!r:.40}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise RequestError(f"top_p must lie in (0, 1], got {p!r}")

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..core.sampling import MAX_TOP_K
 from ..launch.prompts import unicode_problem
 from ..validation import parse_flag
 
@@ -86,8 +85,8 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # -1 and 0 both mean no top-k (vLLM and SGLang clients send -1); so does any value at or
-    # beyond the vocabulary. Past MAX_TOP_K it is refused: no vocabulary is that large.
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    # beyond the vocabulary (recorded as 0: SamplingParams.canonical).
+    top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     # a sampled request with a seed draws from its own generator (docs/serving.md)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

@@ -24,7 +24,7 @@ import torch
 from ..core.sampling import RequestError, SamplingParams
 from ..d2sd.cli import attach_recovery, options_from_args
 from ..engine.request import Request, RequestOutput, RequestStats
-from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
+from ..launch.engine_factory import check_batch_size, check_seed, make_engine, quiet_transformers
 from ..launch.loading import LoadedPair, load_pair
 from ..launch.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids, unicode_problem
 from .traffic_sink import open_sink
@@ -78,7 +78,7 @@ def prepare_requests(
             top_p=top_p,
             max_new_tokens=n,
             stop_token_ids=stops,
-        )
+        ).canonical(pair.target.vocab_size)  # as the traffic sink records it: what the engine does
         # engine ids are positional: user ids may repeat across lines
         prep.requests[i] = Request(ids, sampling, request_id=f"r{i}", domain=spec.domain)
     return prep
@@ -132,8 +132,7 @@ def output_record(index: int, spec: PromptSpec, out: RequestOutput, tokenizer) -
 
 def _check_flags(args) -> None:
     """Everything that can be told wrong before a model is loaded."""
-    if args.max_batch_size < 1:
-        raise CLIError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    check_batch_size(args.max_batch_size)
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:  # the shared sampling settings are checked once

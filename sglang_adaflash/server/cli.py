@@ -54,7 +54,7 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="torch device (default cpu)")
     s.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler (default 0)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    s.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (default 32)")
+    s.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together, 1..4096 (default 32)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for a slot; beyond them the server answers 429 (default 256)")
     s.add_argument("--max-seq-len", type=int, default=None,
@@ -78,11 +78,11 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
 
 
 def _check_flags(args) -> None:
+    from ..launch.engine_factory import check_batch_size
+
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_batch_size",):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_batch_size(args.max_batch_size)
     if args.max_queue < 0:
         raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_seq_len is not None and args.max_seq_len < 2:

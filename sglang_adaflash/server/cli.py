@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 
 from ..errors import CLIError
@@ -238,8 +239,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_flags(args)
@@ -249,13 +248,16 @@ def cmd_serve(args) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"adaflash serve: model {server.settings.model_name!r}, mode {args.mode}, drafter "
           f"{server.loop.version or 'none'}, listening on http://{shown}:{port}", flush=True)
-    config = uvicorn.Config(server.app(), log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=10)
+    http = server.uvicorn_server(log_level=args.log_level, access_log=args.access_log,
+                                 timeout_graceful_shutdown=10)
     try:
         # On SIGINT/SIGTERM uvicorn stops accepting, lets open requests finish (10 s at most),
         # runs the shutdown (engine loop, reload watcher, traffic shard closed) and re-raises
-        # the signal: Ctrl-C then exits 130 through the CLI.
-        uvicorn.Server(config).run(sockets=[sock])
+        # the signal: Ctrl-C then exits 130 through the CLI. A failed engine loop stops it too.
+        http.run(sockets=[sock])
     finally:
         sock.close()
-    return 0
+    if server.exit_code:
+        print(f"adaflash serve: stopped because {server.loop.error}; exiting {server.exit_code} so that a "
+              "supervisor restarts the server", file=sys.stderr, flush=True)
+    return server.exit_code

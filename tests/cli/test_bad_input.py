@@ -214,3 +214,30 @@ def test_a_truncated_target_is_one_line_not_a_traceback(tiny_pair, tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert f"{weights} cannot be read as safetensors" in err and "is truncated or corrupt" in err
+
+
+def test_an_engine_failure_keeps_what_finished_and_fails_the_rest_in_records(tiny_pair, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A decode step that raises (no request to blame) was a traceback that lost the run."""
+    from sglang_adaflash.engine.engine import SpecEngine
+
+    real = SpecEngine._decode_step
+
+    def decode_step(self):
+        if any(len(s.output) >= 3 and s.req.request_id == "r1" for s in self.running):
+            raise RuntimeError("injected decode failure")
+        return real(self)
+
+    monkeypatch.setattr(SpecEngine, "_decode_step", decode_step)
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([b'{"id": "short", "prompt": "x", "max_new_tokens": 1}', GOOD_A, GOOD_B]))
+    rc, recs, err = _generate(capsys, tiny_pair, "--prompts", path, "--max-new-tokens", 8)
+    assert rc == 1 and "Traceback" not in err, err
+    assert "adaflash generate: the engine failed (RuntimeError: injected decode failure)" in err
+    by_id = {r["id"]: r for r in recs}
+    assert sorted(by_id) == ["a", "b", "short"]
+    assert by_id["short"]["error"] is None and len(by_id["short"]["output_ids"]) == 1
+    for rid in ("a", "b"):
+        assert by_id[rid]["finish_reason"] == "error"
+        assert "the engine failed (RuntimeError: injected decode failure) before this request finished" \
+            in by_id[rid]["error"]

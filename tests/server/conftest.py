@@ -123,3 +123,16 @@ def traffic_records(home: Path) -> list[dict]:
     for d in sorted((home / "traffic").iterdir()):
         out.extend(iter_records(d, include_partial=True))
     return out
+
+
+def inject_prefill_fault(engine, prompt_ids: list[int]) -> None:
+    """Make a live engine's first-token sampling raise whenever a request with exactly these
+    prompt ids is admitted: a fault the engine must blame on that request alone."""
+    real = engine._sample_rows
+
+    def sample_rows(logits, seqs):
+        if any(s.req.prompt_ids == prompt_ids for s in seqs):
+            raise RuntimeError("injected: probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, seqs)
+
+    engine._sample_rows = sample_rows

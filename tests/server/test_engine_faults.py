@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import LiveServer
+from .conftest import LiveServer, inject_prefill_fault
 
 MODEL = "tiny"
 POISON = [13, 13, 13, 13, 13]  # a prompt of token ids the injected fault recognises
@@ -37,17 +37,6 @@ def _server(pair, tmp_path, *extra) -> LiveServer:
     return LiveServer(["--target", str(pair.target_dir), "--drafter", str(pair.drafter_dir), "--mode", "dflash",
                        "--home", str(tmp_path / "home"), "--model-name", MODEL, "--no-traffic",
                        "--max-batch-size", "4", "--reload-poll-s", "60", *extra])
-
-
-def _poison_prefill(engine) -> None:
-    real = engine._sample_rows
-
-    def sample_rows(logits, seqs):
-        if any(s.req.prompt_ids == POISON for s in seqs):
-            raise RuntimeError("injected: probability tensor contains either `inf`, `nan` or element < 0")
-        return real(logits, seqs)
-
-    engine._sample_rows = sample_rows
 
 
 def _poison_decode(engine) -> None:
@@ -87,7 +76,7 @@ def test_a_request_the_engine_fails_on_fails_alone(pair, tmp_path):
     try:
         reference = asyncio.run(_answers(srv, PROMPTS))
         assert all(isinstance(t, str) for t in reference)
-        _poison_prefill(srv.server.engine)
+        inject_prefill_fault(srv.server.engine, POISON)
         mixed = [POISON, *PROMPTS[:2], POISON, *PROMPTS[2:]]  # non-streamed and streamed poisons
         got = asyncio.run(_answers(srv, mixed))
         for i in (0, 3):

@@ -1,7 +1,8 @@
 """The `adaflash` command line: generate, bench, demo, serve.
 
-Exit codes: 0 success; 1 some requests failed (generate) or outputs differed from plain decoding
-under --strict (bench); 2 bad arguments or inputs (one-line message, no traceback).
+Exit codes: 0 success; 1 some requests failed (generate), outputs differed from plain decoding
+under --strict (bench) or the engine loop failed (serve); 2 bad arguments or inputs (one-line
+message, no traceback).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per request, unless its JSONL line says otherwise (default 64)")
-    g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (default 32)")
+    g.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together, 1..4096 (default 32)")
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_d2sd_args(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -31,6 +31,7 @@ from ..planner.lengths import (
     survival_rate,
 )
 from ..target.hf_target import HFTarget, TargetBatch, pad_packed
+from .admission import admit_waiting
 from .draft_choice import DraftChoice
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
@@ -187,6 +188,7 @@ class SpecEngine:
         self.sampler = RejectionSampler(self.generator, flashinfer_sampling.available(self.device))
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.solo_admissions = 0  # waiting requests to admit one per step (engine.admission)
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -246,16 +248,14 @@ class SpecEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (prefill), run one decode step, return the newly finished."""
+        """Admit waiting requests (prefill), run one decode step, return the newly finished.
+
+        A prefill that raises fails only the request it is blamed on (engine.admission); a
+        decode step that raises, or an admission failure no request can be blamed for
+        (admission.EngineFailure), propagates: the engine's state is then not to be trusted.
+        """
         self.target.capture_layer_ids = self._capture
-        joined = []
-        while self.waiting and len(self.running) + len(joined) < self.max_batch_size:
-            joined.append(self.waiting.popleft())
-        if joined:
-            self._prefill(joined)
-            finished = self._retire()  # e.g. max_new_tokens 1, or a stop token first
-        else:
-            finished = []
+        finished = admit_waiting(self)
         if self.running:  # running requests never wait for a prefill to finish a whole step
             self._decode_step()
         return finished + self._retire()

@@ -100,6 +100,17 @@ def make_engine(
         ) from None
 
 
+#: Most engine slots a command line may ask for. Slot-indexed state (caches, the calibration
+#: posterior, the pending-feature buffer) is sized by it, and no CPU or single GPU decodes more
+#: requests at once with the reference engine; a larger number is a typo, refused before loading.
+MAX_BATCH_SIZE = 4096
+
+
+def check_batch_size(value: int, flag: str = "--max-batch-size") -> None:
+    if not 1 <= value <= MAX_BATCH_SIZE:
+        raise CLIError(f"{flag} must be in 1..{MAX_BATCH_SIZE}, got {value}")
+
+
 def check_seed(seed: int) -> None:
     try:
         torch.Generator().manual_seed(seed)

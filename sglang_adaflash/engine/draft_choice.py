@@ -50,6 +50,11 @@ class DraftChoice:
         self.lengths: torch.Tensor | None = None  # [bs] long on the host: planned verify lengths
         self.rate: torch.Tensor | None = None  # [bs] the posterior survival the plan read
 
+    def replan(self) -> None:
+        """Plan afresh at the next step: a standing "draft nobody" plan is void (the evidence it
+        stood on was dropped, or the drafter changed)."""
+        self._quiet_plan, self._quiet_steps = None, 0
+
     @property
     def max_pending(self) -> int:
         """Steps an undrafted row can go without drafting, plus one: its context backlog's size."""

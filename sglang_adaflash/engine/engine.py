@@ -294,6 +294,20 @@ class SpecEngine:
                              "SurvivalPosterior to reset calibration, not None")
         self.choice.posterior = posterior
 
+    def drafter_swapped(self) -> None:
+        """A new drafter version serves from the next step on (hot reload, between steps).
+
+        The calibration's evidence was about the old version: a domain it failed on would stay
+        switched off, read only by probes, however much better the new one is there (the demo's
+        math after a round). So every request and domain starts cold again: first reads, then
+        the new version's own evidence. Requests in flight keep their drafter context (computed
+        by the old version; their proposals may suffer, never their output)."""
+        if self.posterior is not None:
+            self.posterior.forget()
+        self.choice.replan()
+        for seq in self.running:
+            seq.probe_gap = 0
+
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""
         by_id = {out.request_id: out for out in self.run_iter(requests, progress)}

@@ -470,3 +470,25 @@ def test_history_planned_steps_draft_only_the_slots_they_verify(target, drafter,
         width = max(lens) - 1
         assert read == [list(range(1, width + 1))] * len(lens)
     assert sum(heads) == sum(n - 1 for lens in verified for n in lens)  # proposals only where verified
+
+
+def test_a_swapped_drafter_is_read_afresh(target, drafter):
+    """After drafts failed long enough to be switched off, a hot-reloaded drafter must not
+    inherit that verdict: drafter_swapped() drops the evidence and the next step reads the
+    drafter again (a first read). Control: without it the rows stay undrafted."""
+    prompts = _prompts(3, seed=29)
+
+    def undrafted_after(swap: bool) -> list[bool]:
+        eng = _engine(target, drafter, probe_every=64, probe_share=0.0)
+        for p in prompts:
+            eng.submit(Request(p, SamplingParams(max_new_tokens=60)))
+        for _ in range(20):
+            eng.step()
+        assert not any(seq.since_draft == 0 for seq in eng.running), "drafts must be switched off by now"
+        if swap:
+            eng.drafter_swapped()
+        eng.step()
+        return [seq.since_draft == 0 for seq in eng.running]
+
+    assert any(undrafted_after(swap=True))
+    assert not any(undrafted_after(swap=False))

@@ -56,7 +56,7 @@ class DrafterTrainConfig:
     # Drafter optimisation.
     anchors_per_seq: int = 32
     batch_size: int = 4  # sequences per step
-    max_steps: int = 5000
+    max_steps: int = 4500
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 50
@@ -72,7 +72,7 @@ class DrafterTrainConfig:
     kd_weight: float = 0.5
     kd_temperature: float = 1.0
     # Length head.
-    head_steps: int = 1000
+    head_steps: int = 600
     head_lr: float = 2e-4
     # Bookkeeping.
     seed: int = 1234

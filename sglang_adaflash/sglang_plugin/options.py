@@ -188,7 +188,7 @@ class AdaFlashOptions:
         min_len = pick(
             "min_len", _env_int(env, "ADAFLASH_LENGTH_MIN", None), ada.get("length_head_min_len"), 2
         )
-        block = raw.get("block_size")
+        block = dflash.get("block_size", raw.get("block_size"))  # both spellings, as DFLASH
         fixed_ms = _env_float(env, "ADAFLASH_COST_FIXED_MS", 8.0)
         per_token_us = _env_float(env, "ADAFLASH_COST_PER_TOKEN_US", 16.0)
         opts = cls(

@@ -59,16 +59,24 @@ from sglang_adaflash.serving.pod_status import (
 )
 
 from . import length_budget as lb
-from .options import VERIFY_CAP, VERIFY_COMPACT, VERIFY_FIXED, AdaFlashOptions
+from .options import (
+    VERIFY_CAP,
+    VERIFY_COMPACT,
+    VERIFY_FIXED,
+    AdaFlashOptions,
+    read_draft_config,
+)
 from .runtime import (
     HeadLoadError,
     SGLangDraftTarget,
     StepStatsQueue,
+    checkpoint_dtypes,
     expected_draft_spec,
     initial_version,
     load_length_head,
     local_checkpoint_dir,
     refresh_fused_kv_helper,
+    sglang_resolved_fields,
 )
 from .server_args import RAGGED_VERIFY_BACKENDS
 from .spec import resolved_verify_mode
@@ -186,9 +194,19 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
     # -- construction --------------------------------------------------------------------------
 
     def _drafter_config(self):
+        """The drafter's config as DFLASH reads it: every spelling DFLASH accepts, with the
+        mask token id and target layer count SGLang resolved where the file leaves them out."""
         from sglang_adaflash.drafter.checkpoint import read_config
 
-        return read_config(self._ada_ckpt)
+        return read_config(self._ada_ckpt, resolved=self._ada_config_resolved())
+
+    def _ada_config_resolved(self) -> dict:
+        state = self.__dict__
+        return sglang_resolved_fields(
+            read_draft_config(self._ada_ckpt),
+            mask_token=state.get("_mask_token"),
+            mask_token_id=state.get("_mask_token_id"),
+        )
 
     def _build_planner(self) -> lb.VerifyPlanner:
         opts = self._ada_opts
@@ -260,10 +278,9 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def _build_reloader(self, sink) -> rl.HotReloader | None:
         cfg = self._drafter_config()
-        dtype = next(self.draft_model.parameters()).dtype
         draft = SGLangDraftTarget(
             self.draft_model,
-            expected_draft_spec(cfg, dtype),
+            expected_draft_spec(cfg, checkpoint_dtypes(self._ada_ckpt)),
             context=lambda: draft_tp_context(self.draft_parallel_layout),
             refresh=self._refresh_derived_draft_state,
         )
@@ -289,6 +306,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             sync_every_steps=int(os.environ.get(rl.ENV_SYNC_STEPS, "16")),
             require_manifest=os.environ.get(rl.ENV_REQUIRE_MANIFEST, "1") != "0",
             target_dir=_local_config_dir(self.server_args.model_path),
+            config_resolved=self._ada_config_resolved(),
         )
         reloader.start()
         if self._ada_pod_stats is not None:

@@ -259,21 +259,49 @@ class StepStatsQueue:
 
     def __init__(self, sink: MetricsSink, maxlen: int = 64):
         self.sink = sink
-        self._pending: deque[tuple[int, list[int], list[str | None] | None]] = deque(maxlen=maxlen)
+        self._pending: deque[tuple[int, object, list[str | None] | None]] = deque(maxlen=maxlen)
 
-    def push(self, block_size: int, verify_lens: list[int], domains: list[str | None] | None):
-        self._pending.append((block_size, list(verify_lens), domains))
+    def push(self, block_size: int, verify_lens, domains: list[str | None] | None):
+        """``verify_lens``: a host list, or the step's [bs] lengths on the device, copied to
+        pinned host memory behind the step's kernels (read in :meth:`complete`, by when
+        SGLang has waited for the step's accept counts, so the copy has landed)."""
+        if isinstance(verify_lens, torch.Tensor):
+            verify_lens = _HostCopy(verify_lens)
+        else:
+            verify_lens = list(verify_lens)
+        self._pending.append((block_size, verify_lens, domains))
 
     def complete(self, accepted_per_req: list[int]) -> SpecStepStats | None:
         while self._pending:
             block, lens, domains = self._pending.popleft()
+            if isinstance(lens, _HostCopy):
+                lens = lens.tolist()
             if len(lens) != len(accepted_per_req):
                 continue  # a step that reported no counts; try the next one
             accepted = [max(0, min(a, n - 1)) for a, n in zip(accepted_per_req, lens)]
-            stats = SpecStepStats(block, lens, accepted, domains)
+            stats = SpecStepStats.trusted(block, lens, accepted, domains)  # bounded above
             try:
                 self.sink.observe_step(stats)
             except Exception:  # metrics must never break decoding
                 logger.exception("adaflash: metrics sink failed")
             return stats
         return None
+
+
+class _HostCopy:
+    """A device tensor's values on their way to the host (pinned, non-blocking)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._event = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t.detach().clone()
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()  # long done: SGLang already waited for this step
+        return [int(n) for n in self._host.tolist()]

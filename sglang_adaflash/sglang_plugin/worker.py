@@ -47,6 +47,7 @@ from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.serving import reload as rl
 from sglang_adaflash.serving.metrics import (
     AcceptanceWindow,
+    BackgroundSink,
     FanoutSink,
     LoggingSink,
     MetricsSink,
@@ -134,7 +135,14 @@ class _FullWidthPrepRunner:
 
 
 class _CompactVerifyTarget:
-    """Forwards everything to the target worker, except that verify forwards run compact."""
+    """Forwards everything to the target worker, except that verify forwards run compact.
+
+    A step whose plan is whole blocks (a sampled batch, no head output) and whose batch fits a
+    captured bucket as it is needs nothing compact: DFlash's own full-width verify batch is
+    that bucket's layout already, so it runs as DFlash prepared it, with the uniform layout
+    attached (compact-mode graphs replay only batches that carry one). No second batch, no
+    window, no scatter.
+    """
 
     def __init__(self, real, worker: AdaFlashWorkerV2):
         self._real = real
@@ -142,11 +150,19 @@ class _CompactVerifyTarget:
 
     @property
     def model_runner(self):
+        step = self._worker._ada_step
+        if step.passthrough:
+            # prepare_for_verify reads this while building the verify ForwardBatch, after it
+            # made the verify input the batch's spec_info: the layout rides along from here.
+            spec = step.batch.spec_info
+            if isinstance(spec, DFlashVerifyInput) and spec.ragged_verify_layout is None:
+                spec.ragged_verify_layout = self._worker._ada_uniform_layout(len(step.batch.seq_lens))
+            return self._real.model_runner
         return _FullWidthPrepRunner(self._real.model_runner)
 
     def forward_batch_generation(self, *args, **kwargs):
         forward_batch = kwargs.get("forward_batch")
-        if not kwargs.get("is_verify") or forward_batch is None:
+        if not kwargs.get("is_verify") or forward_batch is None or self._worker._ada_step.passthrough:
             return self._real.forward_batch_generation(*args, **kwargs)
         return self._worker._compact_verify(self._real, forward_batch, kwargs)
 
@@ -155,14 +171,17 @@ class _CompactVerifyTarget:
 
 
 class _Step:
-    """What one decode step carries between the seams."""
+    """What one decode step carries between the seams (host values, decided before drafting,
+    and the plan, on the device)."""
 
-    def __init__(self, batch, greedy: bool, domains):
+    def __init__(self, batch, greedy: bool, domains, remaining=None, budget=None):
         self.batch = batch
         self.greedy = greedy
         self.domains = domains
+        self.remaining = remaining  # [bs] tokens each request may still generate, or None
+        self.budget: lb.HostBudget | None = budget  # compact mode: the host's total
         self.plan: lb.VerifyPlan | None = None
-        self.verify_lens_device: torch.Tensor | None = None
+        self.passthrough = False  # whole blocks through DFlash's own verify batch
 
 
 class AdaFlashWorkerV2(DFlashWorkerV2):
@@ -180,7 +199,11 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         self._ada_planner = self._build_planner()
         sink = self._build_sink()
         self._ada_sink = sink
-        self._ada_stats = StepStatsQueue(sink)
+        # per-step records leave the scheduler thread at once; a daemon thread feeds the sinks
+        self._ada_stats = StepStatsQueue(BackgroundSink(sink))
+        # the previous steps' mean rule length: the host's total for the next compact step
+        self._ada_lag = lb.LaggedMean(float(self.block_size))
+        self._ada_uniform_layouts: dict[int, object] = {}
         self._ada_reloader = self._build_reloader(sink)
         if self._ada_tp_rank == 0:
             logger.warning(
@@ -380,7 +403,11 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
                 self._ada_stats.push(block, [block] * len(batch.seq_lens), _request_domains(batch))
             return result
         sampling = batch.sampling_info
-        step = _Step(batch, sampling is None or sampling.is_all_greedy, _request_domains(batch))
+        greedy = sampling is None or sampling.is_all_greedy
+        remaining = _remaining_tokens(batch)
+        step = _Step(batch, greedy, _request_domains(batch), remaining)
+        if self._ada_mode == VERIFY_COMPACT and greedy and self._ada_planner.head is not None:
+            step.budget = self._ada_host_budget(len(batch.seq_lens), remaining)
         real_runner = self.draft_model_runner
         self.draft_model_runner = _RunnerTap(real_runner, self._on_draft_output)
         self._ada_step = step
@@ -395,12 +422,34 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             self.draft_model_runner = real_runner
             self._ada_step = None
         plan = step.plan or lb.VerifyPlan.uniform(
-            len(batch.seq_lens), int(self.block_size), "uniform"
+            len(batch.seq_lens), int(self.block_size), "uniform", self.device
         )
-        if step.verify_lens_device is not None:
-            result.cap_lens = step.verify_lens_device  # feeds sglang:spec_cap_length
-        self._ada_stats.push(plan.block_size, plan.verify_lens_cpu, step.domains)
+        result.cap_lens = plan.lengths  # feeds sglang:spec_cap_length
+        self._ada_stats.push(plan.block_size, plan.lengths, step.domains)
         return result
+
+    def _ada_host_budget(self, bs: int, remaining) -> lb.HostBudget:
+        """The compact step's total from host values only (see length_budget)."""
+        grid, max_slots = lb.capture_grid(self._target_worker.model_runner)
+        return lb.plan_host_budget(
+            block_size=int(self.block_size),
+            min_len=self._ada_planner.min_len,
+            remaining=remaining,
+            bs=bs,
+            mean_len=self._ada_lag.read(),
+            grid=grid,
+            max_slots=max_slots,
+        )
+
+    def _ada_uniform_layout(self, bs: int):
+        """Whole blocks for ``bs`` requests, built once per batch size on the device."""
+        layout = self._ada_uniform_layouts.get(bs)
+        if layout is None:
+            block = int(self.block_size)
+            lens = torch.full((bs,), block, dtype=torch.int32, device=self.device)
+            layout = lb.verify_layout(lens, total=bs * block, graph_num_tokens=bs * block)
+            self._ada_uniform_layouts[bs] = layout
+        return layout
 
     def _on_draft_output(self, draft_out) -> None:
         step = self._ada_step
@@ -409,23 +458,29 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         bs = len(step.batch.seq_lens)
         hidden = getattr(getattr(draft_out, "logits_output", None), "hidden_states", None)
         plan = self._ada_planner.plan(
-            hidden, bs, greedy=step.greedy, max_len=_remaining_tokens(step.batch)
+            hidden, bs, greedy=step.greedy, max_len=step.remaining, budget=step.budget
         )
         plan = self._agree_across_tp(plan)
+        if plan.rule_lengths is not None:
+            self._ada_lag.push(plan.rule_lengths)
         step.plan = plan
-        step.verify_lens_device = torch.tensor(
-            plan.verify_lens_cpu, dtype=torch.int32, device=self.device
-        )
+        if plan.is_uniform:
+            grid, max_slots = lb.capture_grid(self._target_worker.model_runner)
+            whole = bs * int(self.block_size)
+            step.passthrough = grid is None or (
+                whole in grid and (max_slots is None or bs <= max_slots)
+            )
 
     def _agree_across_tp(self, plan: lb.VerifyPlan) -> lb.VerifyPlan:
-        """All TP ranks must verify the same token bucket: take the element-wise minimum."""
-        if int(self._ada_tp_group.world_size) == 1:
+        """All TP ranks must verify the same lengths: rank 0's, broadcast on the device (no
+        CPU collective, no host read). The host totals already agree: every rank computes
+        them from the same lagged lengths and batch."""
+        if int(self._ada_tp_group.world_size) == 1 or plan.is_uniform:
             return plan
-        lens = torch.tensor(plan.verify_lens_cpu, dtype=torch.int64)
-        torch.distributed.all_reduce(
-            lens, op=torch.distributed.ReduceOp.MIN, group=self._ada_tp_group.cpu_group
-        )
-        return lb.VerifyPlan.of(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
+        self._ada_tp_group.broadcast(plan.lengths, src=0)
+        if plan.rule_lengths is not None:
+            self._ada_tp_group.broadcast(plan.rule_lengths, src=0)
+        return plan
 
     def _accept_block(self, *, candidates, **kwargs):
         step = self.__dict__.get("_ada_step")
@@ -436,7 +491,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             and not step.plan.is_uniform
             and self.__dict__.get("_ada_mode") in (VERIFY_COMPACT, VERIFY_CAP)
         ):
-            capped = lb.cap_candidates(candidates, step.verify_lens_device)
+            capped = lb.cap_candidates(candidates, step.plan.lengths)
             accept_len, commit_lens, bonus, out_tokens, new_seq_lens = super()._accept_block(
                 candidates=capped, **kwargs
             )
@@ -455,13 +510,16 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         block = int(self.block_size)
         batch = step.batch
         bs = len(batch.seq_lens)
-        plan = step.plan or lb.VerifyPlan.uniform(bs, block, "uniform")
-        if step.plan is None:
-            step.plan = plan
-            step.verify_lens_device = torch.tensor(
-                plan.verify_lens_cpu, dtype=torch.int32, device=self.device
-            )
-        layout = lb.build_layout(plan, device=self.device, model_runner=real_target.model_runner)
+        plan, budget = step.plan, step.budget
+        if budget is None or plan.is_uniform:  # whole blocks that fit no bucket as they are
+            budget = lb.plan_host_budget(
+                block_size=block, min_len=block, remaining=None, bs=bs, mean_len=block,
+                grid=lb.capture_grid(real_target.model_runner)[0],
+            )  # fmt: skip
+        total = plan.total_host if plan.total_host is not None else budget.total
+        layout = lb.verify_layout(
+            plan.lengths, total=total, graph_num_tokens=max(budget.graph_num_tokens, total)
+        )
         full_input = full_forward_batch.spec_info
         draft_tokens = full_input.draft_token.view(bs, block)  # [bs, B], slot 0 = anchor
         gamma = block - 1
@@ -497,11 +555,12 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         )
         batch.out_cache_loc = window.verify_cache_loc
         if batch.seq_lens_cpu is not None:
-            # Verify host bound = committed prefix + this request's verify length.
+            # Verify host bound = committed prefix + the most this request may verify (as
+            # DFlash's own bound is prefix + B); the exact lengths stay on the device.
             batch.seq_lens_cpu = batch.seq_lens_cpu + torch.tensor(
-                plan.verify_lens_cpu, dtype=batch.seq_lens_cpu.dtype
+                budget.cap, dtype=batch.seq_lens_cpu.dtype
             )
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            batch.seq_lens_sum = batch.seq_lens_sum + sum(budget.cap)
         try:
             compact_batch, _ = compact_input.prepare_for_verify(batch, real_target)
         finally:

@@ -398,6 +398,89 @@ class StepLog:
         real_target.forward_batch_generation = forward
 
 
+class SyncTrap:
+    """Records every host read of a tensor inside the plugin's part of a decode step.
+
+    From the moment the drafter's output reaches the plugin until the verify logits are back,
+    nothing may wait for the device: no ``tolist``/``item``/``cpu``/``numpy``, no Python
+    ``int``/``float``/``bool``/``index`` of a tensor, no ``torch.tensor(..., device=...)``
+    (a pageable host-to-device copy waits for the stream too). SGLang's own verify preparation
+    and the target forward (what DFLASH runs too, CUDA-graph replays on a GPU) are outside the
+    window. Here every tensor is on the CPU, so each such call is recorded with its caller
+    rather than measured."""
+
+    READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+    #: The shared planner stops its rounds early only when its tensors are on a CPU, where a
+    #: read costs nothing (planner/lengths.py: ``sync_free``); on a GPU it runs fixed rounds.
+    CPU_ONLY = {("lengths.py", "plan_lengths")}
+
+    def __init__(self):
+        self.depth = 0  # > 0: inside the window
+        self.windows = 0
+        self.violations: list[str] = []
+
+    def _record(self, what):
+        if self.depth > 0:
+            frame = sys._getframe(2)
+            if (Path(frame.f_code.co_filename).name, frame.f_code.co_name) in self.CPU_ONLY:
+                return
+            self.violations.append(f"{what} at {Path(frame.f_code.co_filename).name}:"
+                                   f"{frame.f_lineno} ({frame.f_code.co_name})")
+
+    def install(self, worker_cls):
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        trap = self
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(self, *a, _orig=original, _name=name, **k):
+                trap._record(f"Tensor.{_name}")
+                return _orig(self, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+        tensor = torch.tensor
+
+        def make(*a, **k):
+            if k.get("device") is not None:
+                trap._record("torch.tensor(..., device=...)")
+            return tensor(*a, **k)
+
+        torch.tensor = make
+
+        def window(fn, on):
+            def wrapped(*a, **k):
+                trap.depth += 1 if on else -1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    trap.depth -= 1 if on else -1
+
+            return wrapped
+
+        draft = worker_cls._on_draft_output
+
+        def on_draft(self, out):
+            trap.windows += 1
+            return window(draft, True)(self, out)
+
+        worker_cls._on_draft_output = on_draft
+        worker_cls._compact_verify = window(worker_cls._compact_verify, True)
+        DFlashVerifyInput.prepare_for_verify = window(DFlashVerifyInput.prepare_for_verify, False)
+
+    def outside(self, fn):
+        """``fn`` (the target forward) runs outside the window."""
+
+        def wrapped(*a, **k):
+            saved, self.depth = self.depth, 0
+            try:
+                return fn(*a, **k)
+            finally:
+                self.depth = saved
+
+        return wrapped
+
+
 def publish_perturbed(home: Path) -> str:
     """The embedded drafter's weights, perturbed, as the next version in ``home``."""
     from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR
@@ -514,6 +597,13 @@ def main(argv=None) -> int:
         worker._use_triton_accept_bonus = True
     log = StepLog(worker)
     log.install()
+    trap = SyncTrap()
+    if args.mode == "compact":
+        from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
+
+        trap.install(AdaFlashWorkerV2)
+        target = worker._target_worker
+        target.forward_batch_generation = trap.outside(target.forward_batch_generation)
     inputs = prompts()
     try:
         torch.manual_seed(0)
@@ -541,7 +631,9 @@ def main(argv=None) -> int:
         log.phase = "mixed"
         for i, ids in enumerate(inputs[2:6]):
             submit(scheduler, f"m{i}", ids, 0.0 if i % 2 == 0 else 1e-3, args.max_new - 4)
+        backend.metadata_calls.clear()
         outputs.update(run_to_completion(scheduler))
+        summary["metadata_calls_mixed"] = list(backend.metadata_calls)
     except Exception:
         summary["error"] = traceback.format_exc()
         write()
@@ -552,6 +644,7 @@ def main(argv=None) -> int:
     summary["outputs"] = outputs
     summary["kernels"] = {k: sorted(v) for k, v in sorted(kernels.callers.items())}
     summary["steps"] = len(log.steps)
+    summary["sync_trap"] = {"windows": trap.windows, "violations": trap.violations[:50]}
     torch.save(log.steps, args.out / "steps.pt")
     write()
     return 0

@@ -237,6 +237,17 @@ def test_sglang_kernels_run_interpreted_through_plugin_functions(compact_triton)
         assert caller in launched.get(kernel, []), (kernel, launched.get(kernel))
 
 
+def test_compact_steps_read_nothing_back_from_the_device(compact_torch):
+    """Between the drafter's output and the verify logits the plugin never waits for the
+    device: lengths are planned, fitted to the host's lagged total, packed and scattered on
+    the device (cpu_sglang.SyncTrap lists what is trapped). Fails on a plugin that copies the
+    plan to the host (``tolist``) and back (``torch.tensor(..., device=...)``)."""
+    summary, steps = compact_torch
+    trap = summary["sync_trap"]
+    assert trap["windows"] >= len([s for s in steps if s["phase"] == "greedy"]) > 0
+    assert trap["violations"] == [], trap["violations"]
+
+
 def test_compact_steps_prepare_only_the_compact_verify(compact_torch):
     """The full-width verify that DFlash prepares is never run in compact mode, so its attention
     metadata is not planned: per step the target plans the compact batch, which the eager
@@ -253,8 +264,26 @@ def test_scattered_logits_reuse_one_buffer(compact_triton):
     """On the Triton path the strided [bs*B, vocab] logits land in one reused buffer instead of
     a fresh allocation per step."""
     _, steps = compact_triton
-    later = steps[1:]
+    later = [s for s in steps if s["phase"] == "greedy"][1:]
     assert later and all(s["logits_ptr"] == s["buffers"].get("logits") for s in later)
+
+
+def test_sampled_batches_cost_what_dflash_costs(compact):
+    """A batch with a sampled request verifies whole blocks through DFlash's own verify batch
+    (with the uniform layout attached): one verify batch of bs * B tokens, its attention
+    metadata planned once, no packed window and no [bs*B, V] scatter. Fails when such a step
+    still builds the compact batch (a second ForwardBatch, planned twice, and logits that land
+    in the scatter buffer)."""
+    summary, steps = compact
+    mixed = [s for s in steps if s["phase"] == "mixed"]
+    assert mixed
+    for s in mixed:
+        bs = len(s["verify_lens"])
+        assert s["verify_lens"] == [B] * bs
+        assert s["verify"]["ragged"] and s["verify"]["input_ids"].numel() == bs * B
+        assert s["logits_ptr"] != s["buffers"].get("logits")
+    calls = [c for c in summary["metadata_calls_mixed"] if c[0] == "target" and c[1] == "TARGET_VERIFY"]
+    assert [tuple(c[2:]) for c in calls] == [(len(s["verify_lens"]), len(s["verify_lens"]) * B) for s in mixed]
 
 
 def test_reload_under_load_swaps_in_place_through_sglangs_draft_model(compact):

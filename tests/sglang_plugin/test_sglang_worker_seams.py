@@ -30,13 +30,16 @@ B, V = 4, 50
 
 
 class FakePlanner:
+    min_len = 1
+
     def __init__(self, lens):
         self.lens = lens
         self.head = object()
         self.seen = []
 
-    def plan(self, hidden, bs, *, greedy, max_len=None):
+    def plan(self, hidden, bs, *, greedy, max_len=None, budget=None):
         self.seen.append((None if hidden is None else tuple(hidden.shape), bs, greedy, max_len))
+        self.budget = budget
         return lb.VerifyPlan.from_lists(self.lens, B)
 
 
@@ -69,6 +72,8 @@ def make_worker(mode="compact", lens=(4, 2, 1)):
     w._ada_sink = RecSink()
     w._ada_stats = StepStatsQueue(w._ada_sink)
     w._ada_reloader = FakeReloader()
+    w._ada_lag = lb.LaggedMean(B)
+    w._ada_uniform_layouts = {}
     w._target_worker = FakeTarget()
     w.draft_model_runner = FakeDraftRunner()
     # read by DFlashWorkerV2._accept_block (greedy torch path)
@@ -207,7 +212,7 @@ def make_batch(lens_accept=(3, 3, 3)):
                 sampling_params=SimpleNamespace(custom_params={"domain": "code"}, max_new_tokens=m),
                 output_ids=[0] * 3,
             )
-            for m in (8, 4, 6)
+            for m in (8, 6, 6)
         ],
         sampling_info=None,
         forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
@@ -224,13 +229,17 @@ def test_decode_step_runs_compact_and_caps(monkeypatch, patched):
 
     assert w._ada_reloader.calls == 1  # reload point before the step
     # the head saw the draft states; lengths are capped by the tokens each request may still make
-    assert w._ada_planner.seen == [((3 * B, 8), 3, True, [5, 1, 3])]
+    assert w._ada_planner.seen == [((3 * B, 8), 3, True, [5, 3, 3])]
+    # the host's total, decided before drafting: caps [4, 3, 3], no lag yet (whole blocks)
+    assert w._ada_planner.budget.cap == [4, 3, 3] and w._ada_planner.budget.total == 10
     assert w.draft_model_runner is real_runner and w._ada_step is None  # seams removed
     ((fb, kw),) = w._target_worker.verify_calls
     assert kw["skip_attn_backend_init"] is True
-    assert fb.input_ids.numel() == 7  # 4 + 2 + 1 packed rows, not 3 * 4
-    assert fb.spec_info.ragged_verify_layout.verify_lens.tolist() == [4, 2, 1]
-    assert fb.seq_lens_cpu.tolist() == [14, 22, 31]  # committed + verify length
+    layout = fb.spec_info.ragged_verify_layout
+    assert layout.total_verify_tokens == 7  # 4 + 2 + 1 packed rows, not 3 * 4
+    assert fb.input_ids.numel() == layout.graph_num_tokens == 10  # padded to the host's bucket
+    assert layout.verify_lens.tolist() == [4, 2, 1]
+    assert fb.seq_lens_cpu.tolist() == [14, 23, 33]  # committed + the most it may verify
     # batch state the rest of SGLang's step reads is restored
     assert batch.out_cache_loc.tolist() == list(range(12)) and batch.seq_lens_cpu.tolist() == [
         10,
@@ -238,6 +247,7 @@ def test_decode_step_runs_compact_and_caps(monkeypatch, patched):
         30,
     ]
     assert batch.seq_lens_sum == 60
+    assert w._ada_lag.read() == 4.0  # the fake plan has no rule lengths: nothing to lag
     # capped acceptance: min(3, L - 1); bonus from the verified slot; no marker leaks out
     assert (result.accept_lens - 1).tolist() == [3, 1, 0]
     want_bonus = [

@@ -34,12 +34,14 @@ from .spec import RESOLVED_MODE_ENV
 logger = logging.getLogger(__name__)
 
 #: Target attention backends whose TARGET_VERIFY path honours a RaggedVerifyLayout, with CUDA
-#: graphs (``supports_ragged_verify_graph = True`` in SGLang 0.5.23).
-RAGGED_VERIFY_BACKENDS = frozenset({"fa3", "fa4", "trtllm_mha", "trtllm_mla", "dsv4"})
+#: graphs: SGLang 0.5.23's own (``supports_ragged_verify_graph = True``), and ``triton``
+#: through the plugin's extension of SGLang's Triton backend (``backends.py``).
+RAGGED_VERIFY_BACKENDS = frozenset({"fa3", "fa4", "trtllm_mha", "trtllm_mla", "dsv4", "triton"})
 #: Backends known not to, and what goes wrong.
 NO_RAGGED_VERIFY = {
-    "flashinfer": "raises NotImplementedError for ragged verify on MHA models",
-    "triton": "ignores the ragged layout, which would give wrong outputs",
+    "flashinfer": "plans its verify on host-side query offsets, which ADAFLASH keeps on the "
+    "device (no host sync in a step), and SGLang's FlashInfer backend refuses ragged verify "
+    "in CUDA graphs",
     "torch_native": "has no ragged verify path",
     "flex_attention": "has no ragged verify path",
     "flashmla": "has no ragged verify path",
@@ -71,7 +73,8 @@ def compact_blockers(cfg) -> list[str]:
     if backend is None:
         reasons.append(
             "the target attention backend is chosen automatically; pass --attention-backend "
-            "fa3 (or fa4, trtllm_mha) to enable compact verification"
+            "fa3 (Hopper), fa4 or trtllm_mha (Blackwell) or triton (any GPU) to enable compact "
+            "verification"
         )
     elif backend not in RAGGED_VERIFY_BACKENDS:
         why = NO_RAGGED_VERIFY.get(backend, "is not known to support ragged verify")
@@ -122,8 +125,9 @@ def resolve_verify_mode(opts: AdaFlashOptions, cfg, env=None) -> tuple[str, str]
         )
     if not blockers:
         return VERIFY_COMPACT, (
-            f"ADAFLASH: compact ragged verification on {verify_attention_backend(cfg)!r}: the "
-            "target computes only the verify lengths the length head and batch budget choose"
+            f"ADAFLASH: verify mode compact on target attention backend "
+            f"{verify_attention_backend(cfg)!r}: the target computes only the verify lengths the "
+            "length head and batch budget choose"
         )
     if requested == VERIFY_COMPACT:
         raise OptionError(
@@ -133,7 +137,9 @@ def resolve_verify_mode(opts: AdaFlashOptions, cfg, env=None) -> tuple[str, str]
         )
     assert requested == VERIFY_AUTO
     return VERIFY_FIXED, (
-        "ADAFLASH: falling back to fixed-length DFlash verification because " + "; ".join(blockers)
+        f"ADAFLASH: verify mode fixed on target attention backend "
+        f"{verify_attention_backend(cfg) or 'auto'!r}: falling back to fixed-length DFlash "
+        "verification because " + "; ".join(blockers)
     )
 
 

@@ -60,6 +60,7 @@ from sglang_adaflash.serving.pod_status import (
 )
 
 from . import length_budget as lb
+from .backends import install_ragged_backends
 from .options import (
     VERIFY_CAP,
     VERIFY_COMPACT,
@@ -195,6 +196,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         self._ada_tp_group = get_dp_tp_group()
         self._ada_opts = AdaFlashOptions.resolve(server_args.speculative_draft_model_path)
         self._ada_mode = resolved_verify_mode() or VERIFY_FIXED
+        install_ragged_backends()  # before SGLang builds the attention backends (after us)
         self._ada_ckpt = local_checkpoint_dir(server_args.speculative_draft_model_path)
         self._ada_planner = self._build_planner()
         sink = self._build_sink()
@@ -267,6 +269,12 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def _ada_check_backend(self) -> None:
         """Compact mode was decided from the arguments; confirm it with the live backend."""
+        if self._ada_tp_rank == 0:
+            logger.warning(
+                "ADAFLASH: verify mode %s on target attention backend %s",
+                self._ada_mode,
+                type(self.target_worker.model_runner.attn_backend).__name__,
+            )
         if self._ada_mode != VERIFY_COMPACT:
             return
         if self.__dict__.get("_need_mamba_verify_commit"):

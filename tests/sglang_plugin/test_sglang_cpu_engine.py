@@ -270,10 +270,10 @@ def test_scattered_logits_reuse_one_buffer(compact_triton):
 
 def test_sampled_batches_cost_what_dflash_costs(compact):
     """A batch with a sampled request verifies whole blocks through DFlash's own verify batch
-    (with the uniform layout attached): one verify batch of bs * B tokens, its attention
-    metadata planned once, no packed window and no [bs*B, V] scatter. Fails when such a step
-    still builds the compact batch (a second ForwardBatch, planned twice, and logits that land
-    in the scatter buffer)."""
+    (with the uniform layout attached): one verify batch of bs * B tokens with its metadata
+    planned as DFLASH's eager verify plans it (its preparation, then the eager forward), no
+    packed window and no [bs*B, V] scatter. Fails when such a step still builds the compact
+    batch (on the Triton path its logits land in the scatter buffer)."""
     summary, steps = compact
     mixed = [s for s in steps if s["phase"] == "mixed"]
     assert mixed
@@ -283,7 +283,8 @@ def test_sampled_batches_cost_what_dflash_costs(compact):
         assert s["verify"]["ragged"] and s["verify"]["input_ids"].numel() == bs * B
         assert s["logits_ptr"] != s["buffers"].get("logits")
     calls = [c for c in summary["metadata_calls_mixed"] if c[0] == "target" and c[1] == "TARGET_VERIFY"]
-    assert [tuple(c[2:]) for c in calls] == [(len(s["verify_lens"]), len(s["verify_lens"]) * B) for s in mixed]
+    want = [(len(s["verify_lens"]), len(s["verify_lens"]) * B) for s in mixed for _ in range(2)]
+    assert [tuple(c[2:]) for c in calls] == want
 
 
 def test_reload_under_load_swaps_in_place_through_sglangs_draft_model(compact):

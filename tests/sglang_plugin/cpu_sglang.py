@@ -182,7 +182,7 @@ def install_seams(dispatch: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def server_args(mode: str, work: Path):
+def server_args(mode: str, work: Path, attention: str = "fa3", draft_attention: str = "fa3"):
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR
@@ -203,8 +203,8 @@ def server_args(mode: str, work: Path):
             "--speculative-algorithm", "ADAFLASH",
             "--speculative-draft-model-path", str(DRAFTER_DIR),
             "--device", "cuda",
-            "--attention-backend", "fa3",
-            "--speculative-draft-attention-backend", "fa3",
+            "--attention-backend", attention,
+            "--speculative-draft-attention-backend", draft_attention,
             "--cuda-graph-backend-decode", "disabled",
             "--cuda-graph-backend-prefill", "disabled",
             "--disable-overlap-schedule",
@@ -219,7 +219,7 @@ def server_args(mode: str, work: Path):
     return args
 
 
-def build_scheduler(mode: str, work: Path, order: list[str]):
+def build_scheduler(mode: str, work: Path, order: list[str], attention="fa3", draft_attention="fa3"):
     """SGLang's Scheduler, built as its scheduler process builds it; ``order`` records when the
     worker and the attention backends came to exist."""
     from sglang.srt.managers.scheduler import Scheduler
@@ -231,7 +231,7 @@ def build_scheduler(mode: str, work: Path, order: list[str]):
     from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
 
     register()
-    args = server_args(mode, work)
+    args = server_args(mode, work, attention, draft_attention)
     port_args = PortArgs.init_new(args)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     global _DEVICE_OVERRIDE  # held for the rest of this process
@@ -558,12 +558,23 @@ class ReloadUnderLoad:
         )
 
 
+class _Done(Exception):
+    """Ends a --light run after its greedy phase."""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mode", default="compact", choices=["compact", "cap", "fixed"])
     ap.add_argument("--dispatch", default="torch", choices=["torch", "triton"])
     ap.add_argument("--max-new", type=int, default=20)
+    ap.add_argument("--attention", default="fa3", choices=["fa3", "triton"],
+                    help="target attention: the FA3 stand-in, or SGLang's Triton backend "
+                    "(interpreted; with the plugin's ragged-verify extension in compact mode)")
+    ap.add_argument("--draft-attention", default="fa3", choices=["fa3", "triton"])
+    ap.add_argument("--light", action="store_true",
+                    help="greedy requests only (three, one joining mid-run), no reload: the "
+                    "interpreted attention kernels take minutes per run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -577,7 +588,9 @@ def main(argv=None) -> int:
     kernels.install()
     t0 = time.time()
     try:
-        scheduler = build_scheduler(args.mode, args.out, summary["order"])
+        scheduler = build_scheduler(
+            args.mode, args.out, summary["order"], args.attention, args.draft_attention
+        )
     except Exception:
         summary["error"] = traceback.format_exc()
         write()
@@ -610,7 +623,7 @@ def main(argv=None) -> int:
         kernels.enabled = True
         # 1) greedy requests of different lengths; the drafter is hot-reloaded after step 3
         log.phase = "greedy"
-        for i, ids in enumerate(inputs[:4]):
+        for i, ids in enumerate(inputs[: 2 if args.light else 4]):
             submit(scheduler, f"g{i}", ids, 0.0, args.max_new - 3 * i)
         reload = ReloadUnderLoad(worker, args.out)
         decode_steps = [0]
@@ -618,6 +631,10 @@ def main(argv=None) -> int:
         def on_step(batch):
             if batch.forward_mode.is_decode():
                 decode_steps[0] += 1
+                if decode_steps[0] == 2:  # a request joins the running batch
+                    submit(scheduler, "join", inputs[5], 0.0, args.max_new - 2)
+                if args.light:
+                    return
                 if decode_steps[0] == 4:
                     reload.stage()
                 elif decode_steps[0] == 5:
@@ -627,6 +644,8 @@ def main(argv=None) -> int:
         outputs = run_to_completion(scheduler, on_step)
         summary["metadata_calls"] = list(backend.metadata_calls)
         summary["reload"] = reload.result
+        if args.light:
+            raise _Done
         # 2) greedy and sampled requests in one batch
         log.phase = "mixed"
         for i, ids in enumerate(inputs[2:6]):
@@ -634,6 +653,8 @@ def main(argv=None) -> int:
         backend.metadata_calls.clear()
         outputs.update(run_to_completion(scheduler))
         summary["metadata_calls_mixed"] = list(backend.metadata_calls)
+    except _Done:
+        pass
     except Exception:
         summary["error"] = traceback.format_exc()
         write()

@@ -32,8 +32,19 @@ def test_backend_follows_the_gpu(gpu_check):
     assert gpu_check.backend_for((9, 0)) == ("fa3", None)  # Hopper
     assert gpu_check.backend_for((8, 0)) == ("fa3", None)  # Ampere
     assert gpu_check.backend_for((10, 0)) == ("fa4", None)  # B200: trtllm_mha is not deterministic
-    backend, why = gpu_check.backend_for((12, 0))
-    assert backend == "triton" and "ragged" in why
+    assert gpu_check.backend_for((12, 0)) == ("triton", None)  # the plugin's ragged Triton
+
+
+def test_compaction_evidence_from_metrics(gpu_check):
+    text = "\n".join([
+        'adaflash_spec_draft_tokens_total{domain=""} 150.0',
+        'adaflash_spec_verified_tokens_total{domain=""} 60.0',
+        'adaflash_spec_verified_tokens_created{domain=""} 1.7e9',
+    ])  # fmt: skip
+    assert gpu_check.compaction_evidence("adaflash-compact", text)["ok"]
+    assert not gpu_check.compaction_evidence("adaflash-fixed", text)["ok"]
+    whole = text.replace("60.0", "150.0")  # a silent fallback to whole blocks
+    assert not gpu_check.compaction_evidence("adaflash-compact", whole)["ok"]
 
 
 def test_embedded_pair_is_adopted_and_the_reload_version_differs(gpu_check, tmp_path):

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from tests.sglang_plugin.triton_interpreter import fix_bf16_dot
+
 HERE = Path(__file__).resolve()
 _DEVICE_OVERRIDE = None
 PLUGIN_DIR = HERE.parents[2] / "sglang_adaflash" / "sglang_plugin"
@@ -161,6 +163,9 @@ def install_seams(dispatch: str):
         return None
 
     torch.Tensor.record_stream = record_stream_cpu
+    # Interpreted tl.dot multiplies bfloat16 bit patterns (triton_interpreter.py): without
+    # this, SGLang's Triton attention on the bfloat16 embedded pair is meaningless.
+    fix_bf16_dot()
 
     import sglang.kernels.ops.speculative.cache_locs as cache_locs
     import sglang.srt.layers.rotary_embedding.base as rotary
@@ -182,7 +187,9 @@ def install_seams(dispatch: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def server_args(mode: str, work: Path, attention: str = "fa3", draft_attention: str = "fa3"):
+def server_args(
+    mode: str, work: Path, attention: str = "fa3", draft_attention: str = "fa3", dtype: str = "auto"
+):
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR
@@ -213,13 +220,16 @@ def server_args(mode: str, work: Path, attention: str = "fa3", draft_attention: 
             "--max-total-tokens", "4096",
             "--mem-fraction-static", "0.1",
             "--random-seed", "0",
+            "--dtype", dtype,
         ]
     )  # fmt: skip
     args.resolve_once()
     return args
 
 
-def build_scheduler(mode: str, work: Path, order: list[str], attention="fa3", draft_attention="fa3"):
+def build_scheduler(
+    mode: str, work: Path, order: list[str], attention="fa3", draft_attention="fa3", dtype="auto"
+):
     """SGLang's Scheduler, built as its scheduler process builds it; ``order`` records when the
     worker and the attention backends came to exist."""
     from sglang.srt.managers.scheduler import Scheduler
@@ -231,7 +241,7 @@ def build_scheduler(mode: str, work: Path, order: list[str], attention="fa3", dr
     from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
 
     register()
-    args = server_args(mode, work, attention, draft_attention)
+    args = server_args(mode, work, attention, draft_attention, dtype)
     port_args = PortArgs.init_new(args)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     global _DEVICE_OVERRIDE  # held for the rest of this process
@@ -265,7 +275,8 @@ def build_scheduler(mode: str, work: Path, order: list[str], attention="fa3", dr
 # ---------------------------------------------------------------------------------------------
 
 
-def prompts() -> list[list[int]]:
+def prompts(max_tokens: int = 160) -> list[list[int]]:
+    """Token ids of two held-out prompts per embedded domain, the last ``max_tokens`` of each."""
     from transformers import PreTrainedTokenizerFast
 
     from sglang_adaflash.assets import DOMAINS, TARGET_DIR, workload_path
@@ -276,7 +287,7 @@ def prompts() -> list[list[int]]:
     for domain in DOMAINS:
         with open(workload_path(domain)) as f:
             for line, _ in zip(f, range(2)):
-                out.append(tok.encode(render_prompt(json.loads(line)["prompt"]))[-160:])
+                out.append(tok.encode(render_prompt(json.loads(line)["prompt"]))[-max_tokens:])
     return out
 
 
@@ -321,7 +332,8 @@ def run_to_completion(scheduler, on_step=None, max_iters=200) -> dict[str, list[
         scheduler.last_batch = batch
         for req in batch.reqs:
             if req.finished():
-                done[req.rid] = list(req.output_ids)
+                # what a client receives: speculative steps may commit past max_new_tokens
+                done[req.rid] = list(req.output_ids_through_stop)
     raise RuntimeError(f"requests still running after {max_iters} scheduler iterations")
 
 
@@ -572,6 +584,10 @@ def main(argv=None) -> int:
                     help="target attention: the FA3 stand-in, or SGLang's Triton backend "
                     "(interpreted; with the plugin's ragged-verify extension in compact mode)")
     ap.add_argument("--draft-attention", default="fa3", choices=["fa3", "triton"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="model dtype (auto: the checkpoint's bfloat16)")
+    ap.add_argument("--prompt-tokens", type=int, default=160,
+                    help="keep the last N tokens of each prompt (interpreted attention is slow)")
     ap.add_argument("--light", action="store_true",
                     help="greedy requests only (three, one joining mid-run), no reload: the "
                     "interpreted attention kernels take minutes per run")
@@ -589,7 +605,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         scheduler = build_scheduler(
-            args.mode, args.out, summary["order"], args.attention, args.draft_attention
+            args.mode, args.out, summary["order"], args.attention, args.draft_attention,
+            args.dtype,
         )
     except Exception:
         summary["error"] = traceback.format_exc()
@@ -602,6 +619,7 @@ def main(argv=None) -> int:
         "mode": worker._ada_mode,
         "head": worker._ada_planner.head is not None,
         "target_backend": type(worker._target_worker.model_runner.attn_backend).__name__,
+        "draft_backend": type(worker.draft_model_runner.attn_backend).__name__,
     }
     for layer in worker.draft_model.layers:
         layer.self_attn.use_table_qk_norm_rope = False
@@ -617,7 +635,7 @@ def main(argv=None) -> int:
         trap.install(AdaFlashWorkerV2)
         target = worker._target_worker
         target.forward_batch_generation = trap.outside(target.forward_batch_generation)
-    inputs = prompts()
+    inputs = prompts(args.prompt_tokens)
     try:
         torch.manual_seed(0)
         kernels.enabled = True

@@ -12,12 +12,6 @@ verifier (``sglang_adaflash.core.rejection``) on the same logits.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,8 +21,8 @@ pytest.importorskip("sglang")
 
 from sglang_adaflash.core.rejection import verify_greedy, verify_sampling  # noqa: E402
 from sglang_adaflash.core.sampling import filtered_probs  # noqa: E402
+from tests.sglang_plugin.harness_runs import run_harness  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 B = 16  # the embedded drafter's block size
 
 #: The SGLang Triton kernels a compact decode step must launch, and the plugin function that
@@ -56,35 +50,11 @@ RUNS = (("compact", "torch"), ("compact", "triton"), ("cap", "torch"))
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[dict, list[dict]]]:
     """The harness once per (mode, dispatch), the three processes side by side."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    for name in list(env):
-        if name.startswith("ADAFLASH_") or name == "SGLANG_RAGGED_VERIFY_MODE":
-            del env[name]
-    procs = {}
-    for mode, dispatch in RUNS:
-        out = tmp_path_factory.mktemp(f"cpu-sglang-{mode}-{dispatch}")
-        cmd = [sys.executable, "-m", "tests.sglang_plugin.cpu_sglang", "--out", str(out),
-               "--mode", mode, "--dispatch", dispatch]  # fmt: skip
-        log = open(out / "log.txt", "w")
-        procs[mode, dispatch] = (
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log),
-            out,
-            log,
-        )
-    results = {}
-    for key, (proc, out, log) in procs.items():
-        try:
-            proc.wait(timeout=1800)
-        finally:
-            log.close()
-        summary_path = out / "summary.json"
-        if not summary_path.exists():
-            tail = (out / "log.txt").read_text()[-6000:]
-            pytest.fail(f"the {key} harness wrote nothing (rc {proc.returncode}):\n{tail}")
-        summary = json.loads(summary_path.read_text())
-        steps = torch.load(out / "steps.pt", weights_only=True) if not summary.get("error") else []
-        results[key] = (summary, steps)
-    return results
+    return run_harness(
+        {(mode, dispatch): ["--mode", mode, "--dispatch", dispatch] for mode, dispatch in RUNS},
+        tmp_path_factory,
+        timeout=1800,
+    )
 
 
 def _run(runs, mode, dispatch):
@@ -127,6 +97,7 @@ def test_worker_builds_in_sglangs_scheduler_order(compact_torch):
         "mode": "compact",
         "head": True,
         "target_backend": "CpuRaggedVerifyBackend",
+        "draft_backend": "CpuRaggedVerifyBackend",
     }
 
 

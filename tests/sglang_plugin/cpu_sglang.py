@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 import torch
@@ -187,15 +187,14 @@ def install_seams(dispatch: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def server_args(
-    mode: str, work: Path, attention: str = "fa3", draft_attention: str = "fa3", dtype: str = "auto"
-):
+def server_args(opts: argparse.Namespace, work: Path):
+    """SGLang's arguments for a run; ``opts``: the harness's parsed command line."""
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR
 
     os.environ.update(
-        ADAFLASH_VERIFY_MODE=mode,
+        ADAFLASH_VERIFY_MODE=opts.mode,
         ADAFLASH_HOME=str(work / "home"),
         ADAFLASH_FLEET_VERSION_FILE=str(work / "fleet-version"),
         ADAFLASH_LOADED_VERSION_FILE=str(work / "loaded.json"),
@@ -210,26 +209,24 @@ def server_args(
             "--speculative-algorithm", "ADAFLASH",
             "--speculative-draft-model-path", str(DRAFTER_DIR),
             "--device", "cuda",
-            "--attention-backend", attention,
-            "--speculative-draft-attention-backend", draft_attention,
+            "--attention-backend", opts.attention,
+            "--speculative-draft-attention-backend", opts.draft_attention,
             "--cuda-graph-backend-decode", "disabled",
             "--cuda-graph-backend-prefill", "disabled",
-            "--disable-overlap-schedule",
-            "--disable-radix-cache",
             "--skip-tokenizer-init",
             "--max-total-tokens", "4096",
             "--mem-fraction-static", "0.1",
             "--random-seed", "0",
-            "--dtype", dtype,
+            "--dtype", opts.dtype,
+            *([] if opts.overlap else ["--disable-overlap-schedule"]),
+            *([] if opts.radix else ["--disable-radix-cache"]),
         ]
     )  # fmt: skip
     args.resolve_once()
     return args
 
 
-def build_scheduler(
-    mode: str, work: Path, order: list[str], attention="fa3", draft_attention="fa3", dtype="auto"
-):
+def build_scheduler(opts: argparse.Namespace, work: Path, order: list[str]):
     """SGLang's Scheduler, built as its scheduler process builds it; ``order`` records when the
     worker and the attention backends came to exist."""
     from sglang.srt.managers.scheduler import Scheduler
@@ -241,7 +238,7 @@ def build_scheduler(
     from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
 
     register()
-    args = server_args(mode, work, attention, draft_attention, dtype)
+    args = server_args(opts, work)
     port_args = PortArgs.init_new(args)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     global _DEVICE_OVERRIDE  # held for the rest of this process
@@ -315,25 +312,62 @@ def submit(scheduler, rid: str, input_ids: list[int], temperature: float, max_ne
     )
 
 
-def run_to_completion(scheduler, on_step=None, max_iters=200) -> dict[str, list[int]]:
+def run_to_completion(
+    scheduler, on_step=None, max_iters=200, cached: dict | None = None
+) -> dict[str, list[int]]:
+    """Drive SGLang's scheduler as its own event loop does (``event_loop_normal``, or
+    ``event_loop_overlap`` when overlap scheduling is on: launch a batch, then process the
+    previous batch's result while it runs), with requests submitted directly instead of over
+    ZMQ. Returns the finished requests' outputs by rid; ``cached`` gets each one's prompt
+    tokens served from the radix cache."""
     done: dict[str, list[int]] = {}
+    queue: deque = deque()
+    scheduler.result_queue = queue  # event_loop_overlap's attribute, read by SGLang's helpers
+    # run_event_loop sets this before dispatching: off unless CUDA (no shared-read fence)
+    scheduler.__dict__.setdefault("_war_barrier_enabled", False)
+    overlap = scheduler.enable_overlap
+    if overlap:
+        scheduler.enable_skip_finishing_decode = True
+
+    def process(batch, result):
+        scheduler.process_batch_result(batch, result)
+        for req in batch.reqs:
+            if req.finished():
+                # what a client receives: speculative steps may commit past max_new_tokens
+                done[req.rid] = list(req.output_ids_through_stop)
+                if cached is not None:
+                    cached[req.rid] = int(req.cached_tokens)
+
     for _ in range(max_iters):
         plan = scheduler.get_next_batch_to_run(
             running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
         )
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
-        if not batch:
-            return done
-        if on_step is not None:
-            on_step(batch)
-        result = scheduler.run_batch(batch)
-        scheduler.process_batch_result(batch, result)
+        if not overlap:
+            if not batch:
+                return done
+            if on_step is not None:
+                on_step(batch)
+            process(batch, scheduler.run_batch(batch))
+            scheduler.last_batch = batch
+            continue
+        serial = scheduler.is_disable_overlap_for_batch(batch, last_batch=scheduler.last_batch)
+        if serial and queue:
+            process(*queue.popleft())
+        result = None
+        if batch:
+            if on_step is not None:
+                on_step(batch)
+            result = scheduler.run_batch(batch)
+            scheduler._apply_war_barrier()
+            queue.append((batch.copy(), result))
+        if scheduler.last_batch and not serial and queue:
+            process(*queue.popleft())
+        scheduler.launch_batch_sample_if_needed(result, batch)
         scheduler.last_batch = batch
-        for req in batch.reqs:
-            if req.finished():
-                # what a client receives: speculative steps may commit past max_new_tokens
-                done[req.rid] = list(req.output_ids_through_stop)
+        if not batch and not queue:
+            return done
     raise RuntimeError(f"requests still running after {max_iters} scheduler iterations")
 
 
@@ -586,6 +620,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-attention", default="fa3", choices=["fa3", "triton"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="model dtype (auto: the checkpoint's bfloat16)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="synchronous scheduling (default: SGLang's overlap scheduler)")
+    ap.add_argument("--no-radix", dest="radix", action="store_false",
+                    help="no radix (prefix) cache (default: on)")
     ap.add_argument("--prompt-tokens", type=int, default=160,
                     help="keep the last N tokens of each prompt (interpreted attention is slow)")
     ap.add_argument("--light", action="store_true",
@@ -604,10 +642,7 @@ def main(argv=None) -> int:
     kernels.install()
     t0 = time.time()
     try:
-        scheduler = build_scheduler(
-            args.mode, args.out, summary["order"], args.attention, args.draft_attention,
-            args.dtype,
-        )
+        scheduler = build_scheduler(args, args.out, summary["order"])
     except Exception:
         summary["error"] = traceback.format_exc()
         write()
@@ -659,7 +694,10 @@ def main(argv=None) -> int:
                     reload.check()
 
         backend.metadata_calls.clear()
-        outputs = run_to_completion(scheduler, on_step)
+        cached: dict[str, int] = {}
+        summary["scheduler"] = {"overlap": scheduler.enable_overlap, "radix": args.radix,
+                                "cached_tokens": cached}  # fmt: skip
+        outputs = run_to_completion(scheduler, on_step, cached=cached)
         summary["metadata_calls"] = list(backend.metadata_calls)
         summary["reload"] = reload.result
         if args.light:
@@ -669,7 +707,7 @@ def main(argv=None) -> int:
         for i, ids in enumerate(inputs[2:6]):
             submit(scheduler, f"m{i}", ids, 0.0 if i % 2 == 0 else 1e-3, args.max_new - 4)
         backend.metadata_calls.clear()
-        outputs.update(run_to_completion(scheduler))
+        outputs.update(run_to_completion(scheduler, cached=cached))
         summary["metadata_calls_mixed"] = list(backend.metadata_calls)
     except _Done:
         pass

@@ -44,14 +44,21 @@ EXPECTED_KERNELS = {
         "worker.AdaFlashWorkerV2.forward_batch_generation",
 }  # fmt: skip
 
-RUNS = (("compact", "torch"), ("compact", "triton"), ("cap", "torch"))
+#: (mode, dispatch) -> extra harness arguments. The compact runs use SGLang's overlap scheduler
+#: and radix cache (the harness's default); the cap run keeps the synchronous scheduler and no
+#: prefix cache, so both of SGLang's event loops are exercised.
+RUNS = {
+    ("compact", "torch"): [],
+    ("compact", "triton"): [],
+    ("cap", "torch"): ["--no-overlap", "--no-radix"],
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[dict, list[dict]]]:
     """The harness once per (mode, dispatch), the three processes side by side."""
     return run_harness(
-        {(mode, dispatch): ["--mode", mode, "--dispatch", dispatch] for mode, dispatch in RUNS},
+        {(m, d): ["--mode", m, "--dispatch", d, *extra] for (m, d), extra in RUNS.items()},
         tmp_path_factory,
         timeout=1800,
     )
@@ -99,6 +106,24 @@ def test_worker_builds_in_sglangs_scheduler_order(compact_torch):
         "target_backend": "CpuRaggedVerifyBackend",
         "draft_backend": "CpuRaggedVerifyBackend",
     }
+
+
+def test_overlap_scheduler_and_radix_cache_serve_compact_steps(compact, cap_torch):
+    """The compact runs go through SGLang's overlap event loop (a batch is launched before the
+    previous batch's result is processed) with the radix cache on: a request whose prompt was
+    served before reuses its cached prefix, and its greedy output is the same as the first
+    time. The cap run is the synchronous, cache-less control."""
+    summary, steps = compact
+    sched = summary["scheduler"]
+    assert sched["overlap"] and sched["radix"]
+    assert sched["cached_tokens"]["m0"] > 0  # m0 repeats g2's prompt
+    again, first = summary["outputs"]["m0"], summary["outputs"]["g2"]
+    n = min(len(again), len(first))
+    assert n >= 10 and again[:n] == first[:n]
+    assert any(s["phase"] == "mixed" for s in steps)
+    control = cap_torch[0]["scheduler"]
+    assert not control["overlap"] and not control["radix"]
+    assert set(control["cached_tokens"].values()) == {0}
 
 
 def test_cap_mode_builds_and_caps_whole_block_verification(cap_torch):

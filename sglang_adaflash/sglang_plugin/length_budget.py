@@ -4,7 +4,8 @@
         --the shared planner (sglang_adaflash.planner: load-aware or paper rule, the same code
           the reference engine runs, on the device)--> verify lengths L [bs]
         --SGLang RaggedVerifyLayout--> packed (compact) verify of sum(L) tokens
-        --SGLang ScatterCompactToStrided--> logits / hidden back to [bs*B] for DFlash's accept
+        --SGLang ScatterCompactToStrided--> the target's tokens (greedy) or logits, and the
+          hidden states, back to [bs*B] for DFlash's accept
         --cap_candidates--> acceptance stops at L_i - 1 proposals
 
 No host synchronisation: the host must know how many tokens the target verifies before it
@@ -267,8 +268,9 @@ class LaggedMean:
 
 
 class ScatterBuffer:
-    """A reusable output of the scatter-back, so a step does not allocate a fresh
-    ``[bs*B, vocab]`` logits tensor; it grows to the largest batch seen, never shrinks."""
+    """A reusable output of the scatter-back (target tokens, hidden states, and the logits of
+    the steps that need them: logprobs, grammar, penalties), so a step does not allocate a
+    fresh one; it grows to the largest batch seen, never shrinks."""
 
     def __init__(self):
         self._buf: torch.Tensor | None = None
@@ -288,6 +290,18 @@ class ScatterBuffer:
     @property
     def tensor(self) -> torch.Tensor | None:
         return self._buf
+
+
+def no_logits(rows: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
+    """A [rows, vocab] stand-in for the strided verify logits of a greedy compact step, with no
+    memory of its own (one element, stride 0): DFlash's step only checks its shape there,
+    because its acceptance takes the target's tokens instead (``target_predict``). Anything
+    that writes into it fails loudly (an expanded tensor refuses in-place writes).
+
+    This is what keeps a ``[bs*B, V]`` float32 buffer (0.47 GB for Qwen3-8B at bs 48) out of
+    the step: only the target's own packed ``[sum(L), V]`` logits, inside SGLang's memory
+    plan, and a ``[bs*B]`` token buffer remain."""
+    return like.new_zeros(()).expand(rows, vocab)
 
 
 def scatter_to_strided(

@@ -11,8 +11,10 @@ step only:
 2. **verification** (compact mode): ``self.target_worker`` answers with a proxy whose verify
    call rebuilds the verify batch packed to the chosen lengths (SGLang's
    ``BuildRaggedVerifyWindow`` + ``DFlashVerifyInput(ragged_verify_layout=...)``), runs the
-   target on ``sum(L)`` tokens, and scatters logits and hidden states back to the strided
-   ``[bs*B]`` layout (``ScatterCompactToStrided``) that the rest of the DFlash step expects;
+   target on ``sum(L)`` tokens, and scatters its hidden states back to the strided ``[bs*B]``
+   layout (``ScatterCompactToStrided``) that the rest of the DFlash step expects; of the
+   logits, a greedy step scatters only their argmax (DFlash's ``target_predict``), other steps
+   the logits themselves;
 3. **acceptance**: ``_accept_block`` sees candidates capped at each request's length, so no
    proposal past an unverified slot is ever accepted, and the bonus token comes from a verified
    slot. Sampled batches verify whole blocks (see ``VerifyPlanner.plan``).
@@ -183,6 +185,9 @@ class _Step:
         self.budget: lb.HostBudget | None = budget  # compact mode: the host's total
         self.plan: lb.VerifyPlan | None = None
         self.passthrough = False  # whole blocks through DFlash's own verify batch
+        # [bs*B] long: the target's greedy tokens (compact greedy steps, which hand DFlash no
+        # [bs*B, V] logits), or None
+        self.target_predict = None
 
 
 class AdaFlashWorkerV2(DFlashWorkerV2):
@@ -500,6 +505,8 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             and self.__dict__.get("_ada_mode") in (VERIFY_COMPACT, VERIFY_CAP)
         ):
             capped = lb.cap_candidates(candidates, step.plan.lengths)
+            if step.target_predict is not None:  # compact greedy: the packed rows' argmax
+                kwargs["target_predict"] = step.target_predict
             accept_len, commit_lens, bonus, out_tokens, new_seq_lens = super()._accept_block(
                 candidates=capped, **kwargs
             )
@@ -582,14 +589,44 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         kwargs = dict(kwargs, forward_batch=compact_batch, skip_attn_backend_init=True)
         out = real_target.forward_batch_generation(**kwargs)
         logits_output = out.logits_output
-        logits_output.next_token_logits = lb.scatter_to_strided(
-            logits_output.next_token_logits, layout, block, out=self._ada_scatter_out("logits")
-        )
+        packed = logits_output.next_token_logits  # [T_graph, V] (a vocab shard under TP gather)
+        if self._ada_argmax_only(batch):
+            step.target_predict = self._ada_strided_argmax(packed, layout, block)
+            logits_output.next_token_logits = lb.no_logits(bs * block, self._ada_vocab(packed), packed)
+        else:
+            logits_output.next_token_logits = lb.scatter_to_strided(
+                packed, layout, block, out=self._ada_scatter_out("logits")
+            )
         if logits_output.hidden_states is not None:
             logits_output.hidden_states = lb.scatter_to_strided(
                 logits_output.hidden_states, layout, block, out=self._ada_scatter_out("hidden")
             )
         return out
+
+    def _ada_argmax_only(self, batch) -> bool:
+        """A greedy step whose acceptance needs nothing of the logits but their argmax: no
+        grammar, logprobs, penalties, logit bias or custom processor (DFlash's own test for
+        skipping its verify logits). Host values only."""
+        step = self._ada_step
+        return step.greedy and self._can_skip_verify_logits(batch, batch.sampling_info)
+
+    def _ada_vocab(self, packed) -> int:
+        lp = self.__dict__.get("_target_logits_processor")
+        return int(lp.vocab_size) if lp is not None else int(packed.shape[-1])
+
+    def _ada_strided_argmax(self, packed, layout, block: int):
+        """The target's greedy token of each packed row, scattered to the strided [bs*B]
+        layout DFlash's acceptance reads (unverified slots hold 0; acceptance never reaches
+        them, see length_budget.cap_candidates)."""
+        lp = self.__dict__.get("_target_logits_processor")
+        if lp is not None and lp.is_deferred_shard(packed):
+            top1 = lp.deferred_argmax(packed)  # gathers row maxima across the TP group
+        else:
+            top1 = torch.argmax(packed, dim=-1)
+        strided = lb.scatter_to_strided(
+            top1.view(-1, 1), layout, block, out=self._ada_scatter_out("predict")
+        )
+        return strided.view(-1)
 
     def _ada_scatter_out(self, kind: str) -> lb.ScatterBuffer:
         """One buffer per kind is enough: every reader of a step's strided logits and hidden

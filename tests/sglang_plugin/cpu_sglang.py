@@ -393,10 +393,20 @@ class StepLog:
             step = self.__dict__.get("_ada_step")
             logits = kwargs.get("next_token_logits")
             sampling = kwargs.get("sampling_info")
+            verify = log.verify_inputs[-1] if log.verify_inputs else None
+            # a greedy compact step hands DFlash a storage-less stand-in (length_budget.
+            # no_logits) and its tokens instead: rebuild the strided logits from the target's
+            # packed output for the checks, as the scatter-back would have
+            stand_in = logits is not None and logits.stride(0) == 0
             record = {
                 "phase": log.phase,
                 "candidates": candidates.clone(),
-                "logits": None if logits is None else logits.clone(),
+                "logits": None if logits is None
+                else strided_logits(verify["packed_logits"], step.plan.verify_lens_cpu, logits)
+                if stand_in else logits.clone(),
+                "logits_stand_in": stand_in,
+                "predict": None if getattr(step, "target_predict", None) is None
+                else step.target_predict.clone(),
                 "logits_ptr": None if logits is None else logits.untyped_storage().data_ptr(),
                 "prefix_lens": kwargs["prefix_lens"].clone(),
                 "verify_lens": None if step is None or step.plan is None
@@ -405,7 +415,7 @@ class StepLog:
                 else sampling.temperatures.view(-1).clone(),
                 "top_ks": None if sampling is None else sampling.top_ks.view(-1).clone(),
                 "top_ps": None if sampling is None else sampling.top_ps.view(-1).clone(),
-                "verify": log.verify_inputs[-1] if log.verify_inputs else None,
+                "verify": verify,
                 "buffers": {
                     k: b.tensor.untyped_storage().data_ptr()
                     for k, b in self.__dict__.get("_ada_scatter_buffers", {}).items()
@@ -438,10 +448,24 @@ class StepLog:
                         "ragged": getattr(fb.spec_info, "ragged_verify_layout", None) is not None,
                     }
                 )
-            return target_forward(*args, **kwargs)
+            out = target_forward(*args, **kwargs)
+            if kwargs.get("is_verify") and fb is not None:
+                log.verify_inputs[-1]["packed_logits"] = out.logits_output.next_token_logits.clone()
+            return out
 
         wmod.AdaFlashWorkerV2._accept_block = accept_block
         real_target.forward_batch_generation = forward
+
+
+def strided_logits(packed: torch.Tensor, verify_lens: list[int], like: torch.Tensor):
+    """Packed verify logits [T, V] -> [bs*B, V] with request i's rows at i*B.., zeros past L_i."""
+    block = like.shape[0] // len(verify_lens)
+    out = torch.zeros(like.shape, dtype=packed.dtype)
+    row = 0
+    for i, n in enumerate(verify_lens):
+        out[i * block : i * block + n] = packed[row : row + n]
+        row += n
+    return out
 
 
 class SyncTrap:

@@ -215,6 +215,8 @@ def make_batch(lens_accept=(3, 3, 3)):
             for m in (8, 6, 6)
         ],
         sampling_info=None,
+        has_grammar=False,
+        return_logprob=False,
         forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
         is_extend_in_batch=False,
     )
@@ -353,3 +355,35 @@ def test_calls_before_our_init_go_straight_to_dflash(monkeypatch):
     cand = torch.ones(2, B, dtype=torch.int64)
     assert w._accept_block(candidates=cand) is cand
     w.on_verify_complete_cpu([1, 2], batch_size=2)  # no stats queue yet: ignored
+
+
+@pytest.mark.parametrize("needs_logits", [False, True])
+def test_only_steps_that_need_logits_get_strided_logits(monkeypatch, patched, needs_logits):
+    """A greedy compact step hands SGLang's acceptance the target's tokens and a stand-in
+    with no memory of its own for the [bs*B, V] logits; a step that needs the logits
+    themselves (here: logprobs) gets them scattered back, and SGLang takes the argmax."""
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", fake_dflash_step)
+    seen = {}
+    accept = DFlashWorkerV2._accept_block
+
+    def spy(self, **kwargs):
+        seen.update(kwargs)
+        return accept(self, **kwargs)
+
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", spy)
+    w = make_worker("compact", lens=(4, 2, 1))
+    batch = make_batch()
+    batch.return_logprob = needs_logits
+    result = w.forward_batch_generation(batch)
+    logits = seen["next_token_logits"]
+    assert logits.shape == (3 * B, V)
+    if needs_logits:
+        assert seen.get("target_predict") is None and logits.stride(0) == V
+        assert logits.view(3, B, V)[1, 2].abs().sum() == 0  # an unverified slot
+    else:
+        assert logits.stride(0) == 0 and logits.untyped_storage().nbytes() == 4
+        predict = seen["target_predict"].view(3, B)
+        assert predict[0].tolist() == [
+            int(target_fn(batch.cand[0, k], batch.seq_lens[0] + k)) for k in range(B)
+        ]
+    assert (result.accept_lens - 1).tolist() == [3, 1, 0]

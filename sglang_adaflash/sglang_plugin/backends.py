@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from .options import VERIFY_COMPACT
-from .spec import resolved_verify_mode
+from .options import VERIFY_COMPACT, resolved_verify_mode
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,14 @@ VERIFY_FIXED = "fixed"
 VERIFY_AUTO = "auto"
 VERIFY_MODES = (VERIFY_AUTO, VERIFY_COMPACT, VERIFY_CAP, VERIFY_FIXED)
 
+#: The verify mode the server-argument hook resolved (``auto`` decided), set in the launcher
+#: process and inherited by every SGLang subprocess.
+RESOLVED_MODE_ENV = "ADAFLASH_RESOLVED_VERIFY_MODE"
+
+
+def resolved_verify_mode() -> str | None:
+    return os.environ.get(RESOLVED_MODE_ENV) or None
+
 #: Variables ADAFLASH reads, with their meaning (rendered in docs/sglang.md).
 ENV_VARS: dict[str, str] = {
     "ADAFLASH_VERIFY_MODE": "auto | compact | cap | fixed (default auto)",

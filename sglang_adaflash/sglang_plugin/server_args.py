@@ -22,6 +22,7 @@ import logging
 import os
 
 from .options import (
+    RESOLVED_MODE_ENV,
     VERIFY_AUTO,
     VERIFY_CAP,
     VERIFY_COMPACT,
@@ -29,7 +30,6 @@ from .options import (
     AdaFlashOptions,
     OptionError,
 )
-from .spec import RESOLVED_MODE_ENV
 
 logger = logging.getLogger(__name__)
 

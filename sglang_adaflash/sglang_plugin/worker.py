@@ -69,6 +69,7 @@ from .options import (
     VERIFY_FIXED,
     AdaFlashOptions,
     read_draft_config,
+    resolved_verify_mode,
 )
 from .runtime import (
     HeadLoadError,
@@ -83,7 +84,6 @@ from .runtime import (
     sglang_resolved_fields,
 )
 from .server_args import RAGGED_VERIFY_BACKENDS
-from .spec import resolved_verify_mode
 
 logger = logging.getLogger(__name__)
 

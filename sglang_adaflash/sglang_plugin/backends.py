@@ -3,24 +3,22 @@ as subclasses the plugin registers in place of SGLang's own, with no fork.
 
 SGLang 0.5.23 verifies a ``RaggedVerifyLayout`` (per-request verify lengths, packed) only on
 FA3/FA4, TRT-LLM and DSv4. Its Triton backend builds the verify's query offsets as a uniform
-``arange(0, (bs+1)*B, B)``, whatever the layout says, and its FlashInfer backend refuses a
-layout inside CUDA graphs. Both already take per-request query lengths for prefill, which is
-all a ragged verify is, so the subclasses only replace the verify's query offsets with the
-layout's:
+``arange(0, (bs+1)*B, B)``, whatever the layout says, and its FlashInfer backend plans a
+layout with a host read of its offsets (and refuses one inside CUDA graphs). Both already take
+per-request query lengths for prefill, which is all a ragged verify is:
 
 - :class:`RaggedVerifyTritonBackend`: the layout's ``qo_indptr`` (padded to the captured slots
   on graph replay) in eager metadata and in the graph buffers; the extend kernel reads the
   prefix through ``kv_indptr`` (committed lengths) and the packed verify rows as the causal
   extend part, so nothing else changes. ``max_extend_len`` stays B, an upper bound the kernel
   grid takes; the split-KV verify fast paths (ROCm) are off, as they assume uniform rows.
-- FlashInfer is not extended yet: its ``plan()`` reads the query and KV offsets on the host,
-  and the plugin keeps each request's verify length on the device (no host sync in a step).
-  :mod:`.flashinfer_plan` builds the arrays such a plan takes (tested against a reference
-  paged attention); what the backend still needs is in docs/sglang.md.
+- ``RaggedVerifyFlashInferBackend`` (:mod:`.flashinfer_verify`): plans from host bounds and
+  runs on the exact device arrays, eagerly (no CUDA graphs for the verify yet). Only with an
+  explicit ``ADAFLASH_VERIFY_MODE=compact``; ``auto`` keeps fixed on FlashInfer.
 
-The Triton subclass is registered under the stock name by :func:`install_ragged_backends`,
-only in processes where ADAFLASH resolved the compact verify mode, so every other launch
-builds SGLang's class untouched.
+The subclasses are registered under the stock names by :func:`install_ragged_backends`, only
+in processes where ADAFLASH resolved the compact verify mode and only for the target's model
+runner (non-MLA), so every other launch and the drafter build SGLang's classes untouched.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from .options import VERIFY_COMPACT, resolved_verify_mode
 logger = logging.getLogger(__name__)
 
 #: Backends this module teaches ragged verification, by SGLang's registry name.
-EXTENDED_BACKENDS = ("triton",)
+EXTENDED_BACKENDS = ("triton", "flashinfer")
 
 
 def _layout(forward_batch_or_spec):
@@ -86,18 +84,31 @@ def install_ragged_backends() -> list[str]:
         return []
     from sglang.srt.layers.attention import attention_registry as reg
 
+    from .flashinfer_verify import flashinfer_backend_class
+
+    def triton_for(runner):
+        if runner.model_config.is_encoder_decoder:
+            return None
+        return triton_backend_class()(runner)
+
+    def flashinfer_for(runner):
+        if runner.use_mla_backend or runner.is_draft_worker:
+            return None  # MLA: flashinfer_mla has its own ragged path; the drafter: no verify
+        return flashinfer_backend_class()(runner, init_new_workspace=runner.init_new_workspace)
+
     replaced = []
-    triton = reg.ATTENTION_BACKENDS.get("triton")
-    if triton is not None and not getattr(triton, "_adaflash", False):
+    for name, build in (("triton", triton_for), ("flashinfer", flashinfer_for)):
+        stock = reg.ATTENTION_BACKENDS.get(name)
+        if stock is None or getattr(stock, "_adaflash", False):
+            continue
 
-        def create_triton(runner, _stock=triton):
-            if runner.model_config.is_encoder_decoder:
-                return _stock(runner)
-            return triton_backend_class()(runner)
+        def create(runner, _stock=stock, _build=build):
+            backend = _build(runner)
+            return _stock(runner) if backend is None else backend
 
-        create_triton._adaflash = True
-        reg.ATTENTION_BACKENDS["triton"] = create_triton
-        replaced.append("triton")
+        create._adaflash = True
+        reg.ATTENTION_BACKENDS[name] = create
+        replaced.append(name)
     if replaced:
         logger.info("ADAFLASH: ragged verify on SGLang's %s backends", ", ".join(replaced))
     return replaced

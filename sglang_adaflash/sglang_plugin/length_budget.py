@@ -173,6 +173,9 @@ def capture_grid(model_runner) -> tuple[list[int] | None, int | None]:
     runner = getattr(model_runner, "decode_cuda_graph_runner", None)
     if runner is None or not getattr(runner, "ragged_verify_mode", False):
         return None, None
+    backend = getattr(model_runner, "attn_backend", None)
+    if backend is not None and not getattr(backend, "supports_ragged_verify_graph", True):
+        return None, None  # its verify runs eagerly: a bucket's spare tokens would be paid
     return list(runner.capture_num_tokens), getattr(runner, "max_bs", None)
 
 
@@ -225,16 +228,26 @@ def fit_to_total(
     return lens.scatter_add_(0, chosen // block_size, torch.ones_like(chosen))
 
 
-def verify_layout(lengths: torch.Tensor, *, total: int, graph_num_tokens: int):
-    """SGLang's RaggedVerifyLayout from device lengths and the host's counts (no host read)."""
+def verify_layout(
+    lengths: torch.Tensor, *, total: int, graph_num_tokens: int, caps: Sequence[int] | None = None
+):
+    """SGLang's RaggedVerifyLayout from device lengths and the host's counts (no host read).
+
+    ``caps`` [bs] (host): the most each request may verify; they ride along as the layout's
+    host ``qo_indptr`` (their prefix sums), which is what FlashInfer plans from
+    (``flashinfer_verify``)."""
     import msgspec
     from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 
     layout = RaggedVerifyLayout.from_verify_lens_device(
         verify_lens=lengths, graph_num_tokens=graph_num_tokens
     )
+    host_qo = None
+    if caps is not None:
+        host_qo = torch.zeros(len(caps) + 1, dtype=torch.int32)
+        host_qo[1:] = torch.cumsum(torch.tensor(list(caps), dtype=torch.int32), 0)
     # FlashInfer and Triton size their KV index buffers by the token count: give it.
-    return msgspec.structs.replace(layout, total_verify_tokens=total)
+    return msgspec.structs.replace(layout, total_verify_tokens=total, qo_indptr_host=host_qo)
 
 
 class LaggedMean:

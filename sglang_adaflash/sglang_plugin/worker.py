@@ -289,7 +289,10 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
                 "ADAFLASH_VERIFY_MODE=fixed"
             )
         backend = self.target_worker.model_runner.attn_backend
-        ok = bool(getattr(backend, "supports_ragged_verify_graph", False))
+        ok = bool(
+            getattr(backend, "supports_ragged_verify_graph", False)
+            or getattr(backend, "supports_ragged_verify", False)  # eager (FlashInfer)
+        )
         if not ok:
             raise RuntimeError(
                 f"ADAFLASH compact verification needs a target attention backend with ragged "
@@ -533,8 +536,9 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             )  # fmt: skip
         total = plan.total_host if plan.total_host is not None else budget.total
         layout = lb.verify_layout(
-            plan.lengths, total=total, graph_num_tokens=max(budget.graph_num_tokens, total)
-        )
+            plan.lengths, total=total, graph_num_tokens=max(budget.graph_num_tokens, total),
+            caps=budget.cap,
+        )  # fmt: skip
         full_input = full_forward_batch.spec_info
         draft_tokens = full_input.draft_token.view(bs, block)  # [bs, B], slot 0 = anchor
         gamma = block - 1

@@ -183,19 +183,21 @@ def test_dry_run_passes_end_to_end(tmp_path):
     checks = by_name(results)
     assert rc == 0 and results["ok"], [c for c in results["checks"] if not c["ok"]]
     names = ["dflash", "adaflash-compact", "adaflash-cap", "adaflash-fixed",
-             "adaflash-compact-triton"]  # fmt: skip
+             "adaflash-compact-triton", "adaflash-compact-flashinfer"]  # fmt: skip
     for name in names:
         for c in (1, 16, 64):
             assert checks[f"t0_equal_{name}_c{c}"]["requests"] == 16
         assert checks[f"t_gt_0_distribution_{name}"]["control_rejected"]
-        assert f"{name}_cuda_graphs_replayed" in checks
+        assert f"{name}_cuda_graphs_replayed" in checks or "flashinfer" in name
     assert checks["adaflash-compact_verified_vs_drafted"]["verified_share"] < 1
     assert checks["adaflash-fixed_verified_vs_drafted"]["verified_share"] == 1
     reload = checks["hot_reload_under_load_adaflash-compact"]
     assert reload["acceptance"]["bad"] < reload["acceptance"]["original"]
     assert {r["concurrency"] for r in results["ratios"]} == {1, 32, 64}
     assert results["thresholds"]["min_throughput_ratio"] == 0.6
-    assert "t0_equal_plain_c64_vs_c1" in checks and results["compact_backends"] == ["fa3", "triton"]
+    assert "t0_equal_plain_c64_vs_c1" in checks
+    assert results["compact_backends"] == ["fa3", "flashinfer", "triton"]
+    assert checks["adaflash-compact-flashinfer_verify_runs_eagerly"]["ok"]
 
 
 def test_dry_run_fails_the_checks_a_broken_compact_path_breaks(tmp_path):

@@ -160,7 +160,21 @@ def test_backend_without_ragged_verify_falls_back_in_auto(
     assert ("--attention-backend trtllm_mha" in err) == (backend == "flashinfer")
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "torch_native"])
+def test_compact_on_flashinfer_only_when_asked_for(registered, model_pair, clean_env, capfd):
+    """FlashInfer verifies ragged layouts through the plugin eagerly only (no CUDA graphs for
+    the verify forward), so auto keeps fixed there (the test above) and an explicit compact
+    resolves compact and says it is eager."""
+    import os
+
+    clean_env.setenv("ADAFLASH_VERIFY_MODE", "compact")
+    _resolve(model_pair, model_pair["head"], "--attention-backend", "flashinfer")
+    assert os.environ["ADAFLASH_RESOLVED_VERIFY_MODE"] == "compact"
+    err = capfd.readouterr().err
+    assert "verify mode compact on target attention backend 'flashinfer'" in err
+    assert "eager verify forward" in err
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "flashmla"])
 def test_backend_without_ragged_verify_is_rejected_for_compact(
     registered, model_pair, clean_env, backend
 ):

@@ -126,7 +126,11 @@ class Stub:
             graphs = "no-graphs" not in self.faults or not self.compact
             self.counts["graph" if graphs else "eager"] += steps
             if self.mode:
-                share = 0.6 if self.compact and "no-compaction" not in self.faults else 1.0
+                # the plugin counts each draft's candidate length: the head's lengths in
+                # compact and cap mode, whole blocks in fixed mode
+                share = 1.0 if self.mode == "fixed" else 0.6
+                if self.compact and "no-compaction" in self.faults:
+                    share = 1.0
                 self.counts["drafts"] += steps
                 self.counts["draft_tokens"] += steps * (BLOCK - 1)
                 self.counts["verified_tokens"] += round(steps * (BLOCK - 1) * share)

@@ -15,7 +15,7 @@ on), then checks what the CPU test suite cannot:
    decoding at another temperature, must be rejected by the same test. (No seeded repeat:
    DFLASH's sampled verification ignores ``sampling_seed``, and so does ADAFLASH built on it);
 3. **evidence**: compact mode verified fewer proposals than it drafted (``adaflash_*``
-   metrics), cap and fixed verified all, and decode passes replayed CUDA graphs
+   metrics), cap mode capped acceptance below whole blocks, fixed verified all, and decode passes replayed CUDA graphs
    (``sglang:cuda_graph_passes_total``);
 4. **throughput**: each ADAFLASH mode against DFLASH (and DSPARK) at concurrency 1, 32 and 64,
    after a warm-up, one server at a time;
@@ -335,7 +335,7 @@ def speculative_checks(server: Server, ref: Reference) -> list[dict]:
         checks.append(gc.graph_replay(spec.name, passes))
     if spec.algorithm == "ADAFLASH":  # judged at the highest concurrency
         counts = gc.delta(gc.adaflash_counts(end), gc.adaflash_counts(before_top))
-        checks.append(gc.compaction(spec.name, counts, spec.compact))
+        checks.append(gc.compaction(spec.name, counts, spec.mode))
     checks.append(gc.same_distribution(spec.name, ref.sample(server), ref.sampled, ref.control,
                                        SAMPLED_POSITIONS))  # fmt: skip
     return checks

@@ -17,7 +17,8 @@ THRESHOLDS: dict[str, float] = {
     # ... and the control (plain decoding at another temperature) must be rejected below it,
     # or the test had no power and says nothing
     "sampled_control_max_p": 1e-3,
-    # compact mode: proposals verified / proposals drafted, at concurrency 64 (< 1: compacted)
+    # compact and cap modes: proposals verified (cap: acceptance capped at) / proposals drafted,
+    # at concurrency 64 (< 1: the head's lengths were applied)
     "compact_max_verified_share": 0.98,
     # share of decode forward passes that replayed a CUDA graph
     "min_graph_replay_share": 0.5,
@@ -97,12 +98,16 @@ def acceptance_per_draft(counts: dict[str, float]) -> float | None:
     return counts["accepted_tokens"] / counts["drafts"] if counts.get("drafts") else None
 
 
-def compaction(name: str, counts: dict[str, float], compact: bool) -> dict[str, Any]:
-    """Compact mode verifies fewer proposals than it drafts (a silent fallback to whole blocks
-    verifies all of them); cap and fixed verify every proposal."""
+def compaction(name: str, counts: dict[str, float], mode: str | None) -> dict[str, Any]:
+    """What the verify lengths did, from the plugin's counters (proposals verified, i.e. the
+    candidate length - 1 of each draft, against proposals drafted). ``compact``: the target
+    verified fewer than were drafted (a silent fallback to whole blocks verifies all of them);
+    ``cap``: the target computes whole blocks, but acceptance is capped at the head's lengths,
+    which the counters report, so they must fall short of whole blocks too; ``fixed`` (and
+    DFLASH's own block): every proposal."""
     drafted, verified = counts["draft_tokens"], counts["verified_tokens"]
     share = verified / drafted if drafted else None
-    if compact:
+    if mode in ("compact", "cap"):
         ok = share is not None and share <= THRESHOLDS["compact_max_verified_share"]
     else:
         ok = share == 1.0

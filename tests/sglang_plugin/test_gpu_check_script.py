@@ -122,11 +122,13 @@ def test_metrics_are_read_by_name_and_label():
 
 def test_compaction_needs_fewer_verified_than_drafted():
     counts = {"drafts": 10, "draft_tokens": 150.0, "verified_tokens": 60.0, "accepted_tokens": 9}
-    assert gc.compaction("c", counts, compact=True)["ok"]
-    assert not gc.compaction("f", counts, compact=False)["ok"]
+    assert gc.compaction("c", counts, "compact")["ok"]
+    assert gc.compaction("k", counts, "cap")["ok"]  # the plugin counts cap's capped lengths
+    assert not gc.compaction("f", counts, "fixed")["ok"]
     whole = dict(counts, verified_tokens=150.0)  # a silent fallback to whole blocks
-    assert not gc.compaction("c", whole, compact=True)["ok"]
-    assert gc.compaction("f", whole, compact=False)["ok"]
+    assert not gc.compaction("c", whole, "compact")["ok"]
+    assert not gc.compaction("k", whole, "cap")["ok"]
+    assert gc.compaction("f", whole, "fixed")["ok"]
     assert gc.acceptance_per_draft(counts) == 0.9
 
 
@@ -190,6 +192,7 @@ def test_dry_run_passes_end_to_end(tmp_path):
         assert checks[f"t_gt_0_distribution_{name}"]["control_rejected"]
         assert f"{name}_cuda_graphs_replayed" in checks or "flashinfer" in name
     assert checks["adaflash-compact_verified_vs_drafted"]["verified_share"] < 1
+    assert checks["adaflash-cap_verified_vs_drafted"]["verified_share"] < 1
     assert checks["adaflash-fixed_verified_vs_drafted"]["verified_share"] == 1
     reload = checks["hot_reload_under_load_adaflash-compact"]
     assert reload["acceptance"]["bad"] < reload["acceptance"]["original"]

@@ -83,13 +83,31 @@ def test_dockerfile_lint():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def image_source_tree(root: Path) -> Path:
+    """The build context as the image sees it: only what its ``COPY`` lines copy, at
+    ``root/opt/adaflash/src`` (so an install that needs a file the image lacks fails here)."""
+    for line in re.findall(r"^COPY (.+)$", DOCKERFILE.read_text(), re.M):
+        *sources, dest = line.split()
+        target = root / dest.lstrip("/")
+        for src in sources:
+            where = target / Path(src).name if dest.endswith("/") else target
+            where.parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, where, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(ROOT / src, where)
+    return root / "opt" / "adaflash" / "src"
+
+
 @pytest.mark.sglang
 @pytest.mark.timeout(900)
 def test_install_command_resolves_in_the_sglang_venv(tmp_path):
-    """The image's pip install, with its constraints, as a dry run in the SGLang test venv
-    (which has sglang==0.5.23 and its pins, as the base image has): it must want to install
-    this package and nothing else, so the image keeps SGLang's torch, transformers and sglang."""
+    """The image's pip install, with its constraints, on the files the image copies, as a dry
+    run in the SGLang test venv (which has sglang==0.5.23 and its pins, as the base image has):
+    it must want to install this package and nothing else, so the image keeps SGLang's torch,
+    transformers and sglang."""
     pytest.importorskip("sglang")
+    src = image_source_tree(tmp_path / "image")
     a = args()
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(
@@ -100,7 +118,7 @@ def test_install_command_resolves_in_the_sglang_venv(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet",
-         "--report", str(report), "-c", str(constraints), f"{ROOT}[{extras}]"],
+         "--report", str(report), "-c", str(constraints), f"{src}[{extras}]"],
         capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr

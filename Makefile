@@ -68,8 +68,9 @@ IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image:
 	docker build -f images/sglang/Dockerfile -t $(IMAGE):$(IMAGE_VERSION) .
 
+# The plugin suite, and the serving image's install command resolved in the SGLang venv.
 test-sglang: $(SGLANG_VENV)/.installed
-	$(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider -m "sglang and not gpu" tests/sglang_plugin
+	$(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider -m "sglang and not gpu" tests/sglang_plugin tests/serving/test_serving_image.py
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, etcd (and kwok) built from pinned Go
 # modules into .cache/tools (scripts/cluster-tools.sh; cold: see docs/operator.md).

@@ -380,12 +380,20 @@ class StepLog:
         self.steps: list[dict] = []
         self.verify_inputs: list[dict] = []
         self.phase = ""
+        self.compact_verifies: dict[str, int] = {}  # phase -> calls of the packed verify path
 
     def install(self):
         from sglang_adaflash.sglang_plugin import worker as wmod
 
         log = self
         accept = wmod.AdaFlashWorkerV2._accept_block
+        compact_verify = wmod.AdaFlashWorkerV2._compact_verify
+
+        def counted_compact_verify(self, *args, **kwargs):
+            log.compact_verifies[log.phase] = log.compact_verifies.get(log.phase, 0) + 1
+            return compact_verify(self, *args, **kwargs)
+
+        wmod.AdaFlashWorkerV2._compact_verify = counted_compact_verify
         real_target = self.worker._target_worker
         target_forward = real_target.forward_batch_generation
 
@@ -745,6 +753,7 @@ def main(argv=None) -> int:
     summary["outputs"] = outputs
     summary["kernels"] = {k: sorted(v) for k, v in sorted(kernels.callers.items())}
     summary["steps"] = len(log.steps)
+    summary["compact_verifies"] = log.compact_verifies
     summary["sync_trap"] = {"windows": trap.windows, "violations": trap.violations[:50]}
     torch.save(log.steps, args.out / "steps.pt")
     write()

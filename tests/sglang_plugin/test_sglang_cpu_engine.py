@@ -289,10 +289,13 @@ def test_sampled_batches_cost_what_dflash_costs(compact):
     (with the uniform layout attached): one verify batch of bs * B tokens with its metadata
     planned as DFLASH's eager verify plans it (its preparation, then the eager forward), no
     packed window and no [bs*B, V] scatter. Fails when such a step still builds the compact
-    batch (on the Triton path its logits land in the scatter buffer)."""
+    batch: the plugin's packed verify path runs (and on the Triton path its logits land in
+    the scatter buffer)."""
     summary, steps = compact
     mixed = [s for s in steps if s["phase"] == "mixed"]
     assert mixed
+    assert summary["compact_verifies"].get("mixed", 0) == 0  # greedy phase: it does run
+    assert summary["compact_verifies"]["greedy"] > 0
     for s in mixed:
         bs = len(s["verify_lens"])
         assert s["verify_lens"] == [B] * bs

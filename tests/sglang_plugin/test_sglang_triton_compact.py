@@ -8,7 +8,9 @@ mid-run, once compact and once fixed:
 
 - the outputs must be equal token for token (both are the target's greedy decoding). With the
   layout ignored (SGLang's own Triton backend: uniform query offsets over packed rows) the
-  requests after the first read other requests' rows and the outputs differ;
+  requests after the first read other requests' rows and rows past the packed batch: seen
+  once, the interpreted kernel read garbage (NaNs) and the compact run died
+  (``double free or corruption``), which fails this test as a harness that wrote nothing;
 - the target's tokens and verify logits must be the target's own (a float32 Transformers
   forward of the same checkpoint), and the drafter on Triton must have proposals accepted.
   Interpreted Triton multiplies bfloat16 ``tl.dot`` operands as raw bit patterns

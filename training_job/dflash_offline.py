@@ -271,7 +271,7 @@ def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks) -> torch.Tenso
     """Final normed block states [N, B, H] of every block, with context K/V per sequence."""
     bs, c, _ = feats.shape
     ctx = drafter.project_context(feats)  # [bs, C, H]
-    ctx_pos = torch.arange(c)[None].expand(bs, -1)
+    ctx_pos = torch.arange(c, device=feats.device)[None].expand(bs, -1)
     ctx_kv = drafter.context_kv(ctx, ctx_pos)  # per layer ([bs, kvh, C, hd] x2)
     per_block = [(k[blocks.seq_indices], v[blocks.seq_indices]) for k, v in ctx_kv]
     emb = drafter.embed_tokens(blocks.input_ids)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from .test_distill_job import _argv, base  # noqa: F401 - the module-scoped volume fixture
+from .distill_volume import job_argv as _argv
 
 pytestmark = pytest.mark.slow  # two torchrun workers and one plain run: about 60 s here
 
@@ -22,7 +22,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_two_ranks_publish_the_single_process_weights(base, tmp_path):  # noqa: F811
+def test_torchrun_two_ranks_publish_the_single_process_weights(base, tmp_path):
     pair, home = base
     out = {}
     for name, launcher in (

@@ -276,6 +276,31 @@ SERVICE_STATUS: Schema = _obj("Observed state.", {
              "x-kubernetes-preserve-unknown-fields": True},
 })
 
+_GATE = _obj("The Job's gate: candidate against parent on the same held-out prompts, with a "
+              "paired bootstrap over prompts for the noise and a per-domain floor.", {
+    "passed": _bool("Whether the candidate passed."),
+    "reason": _str("Passed, NoGain (the mean gain's lower bound is below minGain), DomainDrop "
+                   "(a domain dropped beyond its noise) or NoEvaluation.",
+                   enum=["Passed", "NoGain", "DomainDrop", "NoEvaluation"]),
+    "message": _str("The decision in words."),
+    "meanTau": _num("Candidate's mean held-out tau over domains.", minimum=0),
+    "parentMeanTau": _num("Parent's mean held-out tau over the same domains.", minimum=0),
+    "gain": _num("meanTau / parentMeanTau - 1."),
+    "gainLow": _num("Lower bound of the gain at the given confidence."),
+    "minGain": _num("Gain the lower bound had to reach."),
+    "confidence": _num("One-sided confidence of the bounds.", minimum=0, maximum=1),
+    "resamples": _int("Bootstrap resamples.", minimum=0),
+    "prompts": _int("Held-out prompts both versions decoded.", minimum=0),
+    "domains": _map("Per domain: its tau minus the parent's and the noise above it.", _obj(
+        "One domain.", {
+            "prompts": _int("Held-out prompts of the domain.", minimum=0),
+            "delta": _num("tau minus the parent's tau."),
+            "noise": _num("How far above delta the upper bound reaches."),
+            "floored": _bool("Enough prompts for the floor to apply."),
+            "dropped": _bool("Dropped beyond its noise (fails the gate)."),
+        })),
+})
+
 DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on the shared volume).", {
     "service": _str("The AdaFlashService this version was distilled for.", pattern=NAME_PATTERN),
     "version": _str("Version directory under drafters/.", pattern=VERSION_PATTERN),
@@ -294,6 +319,7 @@ DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on t
     "eval": _obj("Held-out evaluation by the Job.", {
         "tau": _tau_map("Acceptance length by domain for this version."),
         "parentTau": _tau_map("Acceptance length by domain for the parent, same records."),
+        "gate": _GATE,
     }),
 }, required=["service", "version"])
 
@@ -305,6 +331,7 @@ DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
     "evalTau": _num("Mean held-out tau of this version.", minimum=0),
     "baselineTau": _num("Mean held-out tau it was gated against.", minimum=0),
     "liveTau": _num("Live tau of canary pods at the end of the bake.", minimum=0),
+    "gate": _GATE,
     "canaryPods": _list("Pods that served it as canary.", {"type": "string"}),
     "history": _list("Phase transitions, oldest first.", _obj("A transition.", {
         "phase": _str("Phase entered."), "reason": _str("Reason."),

@@ -11,9 +11,11 @@ copies into the terminated container state's `message` (4096 bytes at most)::
     {"version": "v000002", "parent": "v000001", "created": "2026-...Z",
      "target": {"name": "Qwen/Qwen3-8B", "sha256": "..."},
      "training": {"algorithm": "opd-rkl", "records": 512, "steps": 64, "finalLoss": 0.41},
-     "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9}}}
+     "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9},
+              "gate": {"passed": true, "reason": "Passed", "gain": 0.04, "gainLow": 0.02, ...}}}
 
-Only `version` is required. The same fields are in drafters/<version>/manifest.json. A Job that
+Only `version` is required. ``eval.gate`` is the Job's own decision (paired bootstrap over the
+held-out prompts, per-domain floor); the rollout gate honours it (rollout.gate). The same fields are in drafters/<version>/manifest.json. A Job that
 found too few new records writes ``{"outcome": "NotEnoughRecords", "records": {"usable": 40,
 "required": 128}, "message": "..."}`` instead, and exits 0 (the operator passes
 ``--idle-exit-code 0``).
@@ -194,6 +196,10 @@ def parse_report(message: str | None) -> dict:
     if parent and not VERSION_RE.match(str(parent)):
         raise ReportError(f"the report's parent must look like v000001, got {parent!r}")
     ev = report.get("eval") or {}
+    gate = ev.get("gate")
+    if gate is not None and not (isinstance(gate, dict) and isinstance(gate.get("passed"), bool)):
+        raise ReportError(f"the report's eval.gate must be an object with a boolean passed, "
+                          f"got {gate!r}")
     for key in ("tau", "parentTau"):
         taus = ev.get(key) or {}
         if not isinstance(taus, dict) or not all(

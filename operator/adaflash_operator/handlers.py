@@ -622,7 +622,8 @@ def _candidate(dv: dict) -> rollout.Candidate:
     ev = sp.get("eval") or {}
     return rollout.Candidate(version=sp["version"], parent=sp.get("parent") or "",
                              eval_tau=dict(ev.get("tau") or {}),
-                             parent_tau=dict(ev.get("parentTau") or {}))
+                             parent_tau=dict(ev.get("parentTau") or {}),
+                             gate=dict(ev.get("gate") or {}))
 
 
 async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_data: dict,

@@ -274,6 +274,7 @@ def test_job_outcome(status: dict, want: str) -> None:
     ('{"version": "2"}', "look like v000002"),
     ('{"version": "v000002", "parent": "x"}', "parent"),
     ('{"version": "v000002", "eval": {"tau": {"chat": -1}}}', "eval.tau"),
+    ('{"version": "v000002", "eval": {"gate": {"passed": "yes"}}}', "eval.gate"),
     ('{"outcome": "Done", "version": "v000002"}', "outcome must be"),
     ('{"outcome": "NotEnoughRecords"}', "usable and required"),
     ('{"outcome": "NotEnoughRecords", "records": {"usable": 3, "required": "9"}}', "required"),

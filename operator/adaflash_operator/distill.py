@@ -87,12 +87,13 @@ def backoff_seconds(failures: int, base: int, cap: int) -> int:
 
 
 def job_outcome(job: dict) -> tuple[str, str]:
-    """("running" | "succeeded" | "failed", detail) from a batch/v1 Job's status."""
+    """("running" | "succeeded" | "failed", detail) from a batch/v1 Job's status (or a
+    JobSet's: conditions Completed and Failed)."""
     status = job.get("status") or {}
     for cond in status.get("conditions") or []:
         if cond.get("status") != "True":
             continue
-        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+        if cond.get("type") in ("Complete", "SuccessCriteriaMet", "Completed"):  # JobSet
             return "succeeded", ""
         if cond.get("type") in ("Failed", "FailureTarget"):
             return "failed", f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".strip()
@@ -214,3 +215,24 @@ def mean_tau(taus: dict[str, float] | None, domains: set[str] | None = None) -> 
         return None
     vals = [float(v) for k, v in taus.items() if domains is None or k in domains]
     return sum(vals) / len(vals) if vals else None
+
+
+#: What a bootstrap Job reports (python -m training_job.bootstrap): the first version imported,
+#: trained, or found on the volume already.
+BOOTSTRAP_OUTCOMES = ("Imported", "Trained", "Present")
+
+
+def parse_bootstrap_report(message: str | None) -> dict:
+    """The bootstrap Job's report: ``{"outcome": "Imported", "version": "v000001", ...}``."""
+    try:
+        report = json.loads(message or "")
+    except json.JSONDecodeError:
+        raise ReportError(f"the bootstrap Job succeeded but its report is not JSON: "
+                          f"{(message or '')[:120]!r}; it must write {{\"outcome\": ..., "
+                          f"\"version\": ...}} to /dev/termination-log") from None
+    if not isinstance(report, dict) or report.get("outcome") not in BOOTSTRAP_OUTCOMES or \
+            not VERSION_RE.match(str(report.get("version", ""))):
+        raise ReportError(f"the bootstrap Job's report must hold an outcome in "
+                          f"{list(BOOTSTRAP_OUTCOMES)} and a version like v000001, got "
+                          f"{report!r}"[:600])
+    return report

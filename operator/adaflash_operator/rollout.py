@@ -43,6 +43,7 @@ class PodInfo:
     error: str | None = None
     records: int = 0
     override: str | None = None  # an admin override's version: the operator does not steer it
+    waiting_for_drafter: bool = False  # its init container waits for the drafter on the volume
 
     @classmethod
     def from_pod(cls, pod: dict) -> PodInfo:
@@ -59,7 +60,16 @@ class PodInfo:
             error=ann.get(c.LOAD_ERROR) or None,
             records=_int(ann.get(c.TRAFFIC_RECORDS)),
             override=ann.get(c.OVERRIDE) or None,
+            waiting_for_drafter=_waiting(pod),
         )
+
+
+def _waiting(pod: dict) -> bool:
+    """Whether the pod's init container is still waiting for the fleet's drafter."""
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if cs.get("name") == c.WAIT_DRAFTER_CONTAINER:
+            return "running" in (cs.get("state") or {})
+    return False
 
 
 def _float(s: str | None) -> float | None:

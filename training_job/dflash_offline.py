@@ -461,3 +461,12 @@ def export_drafter(drafter, target_dir: Path, out_dir: Path, cfg: DrafterTrainCo
 def _log(path: Path, rec: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"time": round(time.time(), 3), **rec}) + "\n")
+
+
+if __name__ == "__main__":
+    # `python -m training_job.dflash_offline` is the recipe's command (training_job.recipe: any
+    # local Hugging Face causal LM, torchrun, publishing); it runs as this script, so the
+    # recipe's functions here import nothing above them.
+    import runpy
+
+    runpy.run_module("training_job.recipe", run_name="__main__", alter_sys=True)

@@ -56,7 +56,15 @@ from training_job.opd.round import (
     stop_ids_and_pad,
     volume_lock,
 )
-from training_job.opd.workdir import GateRejected, JobError, NotEnoughRecords, _log, _one_line
+from training_job.opd.workdir import (
+    GateRejected,
+    JobError,
+    NotEnoughRecords,
+    _log,
+    _one_line,
+    leave_process_group,
+    report_failure,
+)
 
 __all__ = ["DEFAULT_HOME", "LOCK_NAME", "GateRejected", "JobError", "NotEnoughRecords",
            "add_arguments", "build_parser", "main", "opd_config", "run", "run_round",
@@ -122,19 +130,10 @@ def run(args) -> int:
             print(data.decode(), flush=True)
         return args.idle_exit_code
     except (JobError, OSError, ValueError, RuntimeError) as e:
-        reason = _one_line(e)
-        if not isinstance(e, JobError):
-            reason = f"{type(e).__name__}: {reason}"
-        _log(f"error: {reason}")
-        if par.rank == 0 and args.report:
-            with contextlib.suppress(OSError):
-                write_report(args.report, f"distill: {reason}"[:4000].encode())
+        report_failure(e, prog="distill", rank=par.rank, report=args.report)
         return 1
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

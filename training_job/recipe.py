@@ -30,7 +30,6 @@ error that asks for ``--mask-token-id``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from training_job.opd.workdir import JobError, _log, _one_line
+from training_job.opd.workdir import JobError, _log, leave_process_group, report_failure
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -329,21 +328,10 @@ def run(args) -> int:
             print(data, flush=True)
         return 0
     except (JobError, OSError, ValueError, RuntimeError) as e:
-        reason = _one_line(e)
-        if not isinstance(e, JobError):
-            reason = f"{type(e).__name__}: {reason}"
-        _log(f"error: {reason}")
-        if par.rank == 0 and args.report:
-            from training_job.opd.report import write_report
-
-            with contextlib.suppress(OSError):
-                write_report(args.report, f"dflash_offline: {reason}"[:4000].encode())
+        report_failure(e, prog="dflash_offline", rank=par.rank, report=args.report)
         return 1
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 def _work_dir(args) -> Path:

@@ -41,6 +41,7 @@ from run import (  # noqa: E402 - the benchmark's own helpers, next to this file
     TARGET,
     build_data,
     evaluate,
+    fresh_work,
     heldout,
     live_prompts,
     run,
@@ -169,12 +170,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    work = ROOT / args.work
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    log = work / "log.txt"
-    started = time.time()
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    work, log, started = fresh_work(args.work)
     torch.set_num_threads(args.threads)
 
     # 1. One shift round of traffic, answered by the target.

@@ -104,6 +104,7 @@ def follow(args) -> int:
         JobError,
         NotEnoughRecords,
         _one_line,
+        report_failure,
     )
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -165,13 +166,7 @@ def follow(args) -> int:
                     line["seconds"] = round(time.time() - t0, 1)
                     _emit(line)
         except (JobError, OSError, ValueError, RuntimeError) as e:
-            reason = _one_line(e)
-            if not isinstance(e, JobError):
-                reason = f"{type(e).__name__}: {reason}"
-            _log(f"error: {reason}")
-            if args.report:
-                with contextlib.suppress(OSError):
-                    write_report(args.report, f"distill: {reason}"[:4000].encode())
+            report_failure(e, prog="distill", rank=0, report=args.report)
             return 1
     why = f"{signal.Signals(stop.signal).name}" if stop() else f"--max-rounds {args.max_rounds}"
     _log(f"follow: stopped ({why}) after {rounds} round(s)")

@@ -48,6 +48,29 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def report_failure(e: BaseException, *, prog: str, rank: int, report: str | None) -> None:
+    """A failed run's one-line reason: on stderr, and (rank 0) in the report file, which
+    Kubernetes shows as the termination message."""
+    import contextlib
+
+    from training_job.opd.report import write_report
+
+    reason = _one_line(e)
+    if not isinstance(e, JobError):
+        reason = f"{type(e).__name__}: {reason}"
+    print(f"{prog}: error: {reason}", file=sys.stderr, flush=True)
+    if rank == 0 and report:
+        with contextlib.suppress(OSError):
+            write_report(report, f"{prog}: {reason}"[:4000].encode())
+
+
+def leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

@@ -42,36 +42,48 @@ IGNORE = -100
 class DrafterTrainConfig:
     # Drafter architecture (the rest comes from the target's config).
     num_layers: int = 1
+    intermediate_size: int | None = None  # the drafter MLP's width; None: the target's
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 3, 4])
     block_size: int = 16
     # Regeneration.
     domains: list[str] = field(default_factory=lambda: ["code", "prose"])
-    max_prompts_per_domain: int = 1200
+    max_prompts_per_domain: int | None = None  # None: every training prompt of the domains
     max_new_tokens: int = 128
-    gen_batch_size: int = 32
+    # A second pass: the target continues each record's reference response from a seeded cut
+    # (continuation_contexts), for up to this many tokens; 0 turns it off.
+    continuation_new_tokens: int = 96
+    gen_batch_size: int = 64
     # Drafter optimisation.
-    anchors_per_seq: int = 24
+    anchors_per_seq: int = 32
     batch_size: int = 4  # sequences per step
-    max_steps: int = 2000
+    max_steps: int = 5000
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 50
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    gamma: float = 7.0
+    # Slot k's weight exp(-(k-1)/gamma). The published recipe's 7 suits drafters whose proposals
+    # survive ~87% of the time (the chance of reaching slot k decays like a^(k-1)); on the
+    # embedded pair a is ~0.6, and gamma 2 measured best (docs/models.md, the ablation).
+    gamma: float = 2.0
+    # Share of the loss taken by distillation from the target's own distribution at each slot,
+    # KL(p_target || p_drafter) at kd_temperature, weighted over slots like the cross-entropy
+    # (0: the published recipe's hard labels only).
+    kd_weight: float = 0.5
+    kd_temperature: float = 1.0
     # Length head.
-    head_steps: int = 400
+    head_steps: int = 1000
     head_lr: float = 2e-4
     # Bookkeeping.
     seed: int = 1234
     threads: int = 2
-    ckpt_every: int = 50
+    ckpt_every: int = 100
     save_dtype: str = "bfloat16"
 
     @classmethod
     def toy(cls) -> DrafterTrainConfig:
         return cls(target_layer_ids=[0, 1], block_size=4, max_prompts_per_domain=4,
-                   max_new_tokens=12, gen_batch_size=4, anchors_per_seq=4, batch_size=2,
+                   max_new_tokens=12, continuation_new_tokens=6, gen_batch_size=4, anchors_per_seq=4, batch_size=2,
                    max_steps=8, warmup_steps=2, head_steps=4, ckpt_every=4, save_dtype="float32")
 
     @classmethod
@@ -92,46 +104,72 @@ def regenerate(target, tokenizer, records: list[dict], out_path: Path, max_new_t
     Each line: ``id``, ``domain``, ``prompt_ids``, ``output_ids`` (up to and including the stop
     token, if the target stopped), like the traffic record format.
     """
+    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
+    items = [(r["id"], r["domain"], tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)
+              ["input_ids"]) for r in records]
+    return generate_greedy(target, items, out_path, max_new_tokens, stop_ids, batch_size, progress)
+
+
+def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400) -> list[tuple]:
+    """``(id, domain, context ids)`` per record: its prompt and its reference response cut at a
+    point drawn from the record's id (so a rebuild cuts the same place), the last
+    ``max_context`` tokens of that. The target continues these greedily: data from the middle
+    of responses and from longer contexts than a prompt alone gives (acceptance falls with
+    context length: benchmarks/adaptive/context/)."""
+    out = []
+    for r in records:
+        prompt = tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)["input_ids"]
+        resp = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
+        if len(resp) < 16:
+            continue
+        cut = random.Random(f"{r['id']}-cut").randint(8, len(resp) - 4)
+        out.append((r["id"] + "#cont", r["domain"], (prompt + resp[:cut])[-max_context:]))
+    return out
+
+
+@torch.no_grad()
+def generate_greedy(target, items: list[tuple], out_path: Path, max_new_tokens: int, stop_ids,
+                    batch_size: int, progress: bool = True) -> list[dict]:
+    """The target's greedy continuation of each ``(id, domain, prompt ids)``, with the reference
+    engine in mode ``ar`` (continuous batching: 5-10x HF ``generate`` with left padding here,
+    and token for token the same output, tests/engine/test_lossless_greedy.py). Appends one
+    line per item to ``out_path`` (fsynced per batch) and resumes from what is there."""
     from tqdm.auto import tqdm
+
+    from sglang_adaflash.core.sampling import SamplingParams
+    from sglang_adaflash.engine.engine import SpecEngine
+    from sglang_adaflash.engine.request import Request
+    from sglang_adaflash.target.hf_target import HFTarget
 
     out_path = Path(out_path)
     done = {}
     if out_path.exists():
         for r in _read_tolerant(out_path):
             done[r["id"]] = r
-    todo = [r for r in records if r["id"] not in done]
-    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
-    pad = tokenizer.pad_token_id
-    # Longest prompts first keeps padding low inside each batch.
-    todo.sort(key=lambda r: -len(r["prompt"]))
-    target.eval()
+    limit = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+    new_tokens = max(1, min(max_new_tokens, limit - 1))
+    # a context longer than the target's window keeps its last tokens (the shipped target's
+    # prompts all fit: at most 356 of its 512 positions)
+    todo = [(i, d, list(p)[-(limit - new_tokens):]) for i, d, p in items if i not in done]
+    engine = SpecEngine(HFTarget(target), None, mode="ar", max_batch_size=max(1, batch_size),
+                        max_seq_len=max((len(p) for _, _, p in todo), default=1) + new_tokens)
+    stops = tuple(sorted(stop_ids))
     bar = tqdm(total=len(todo), desc="regenerate", disable=not progress, dynamic_ncols=True)
+    chunk = 4 * max(1, batch_size)  # a write and fsync per chunk; the engine refills its slots
     with open(out_path, "a", encoding="utf-8") as f:
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i:i + batch_size]
-            prompts = [tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)
-                       ["input_ids"] for r in chunk]
-            width = max(map(len, prompts))
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            att = torch.zeros_like(ids)
-            for j, p in enumerate(prompts):  # left padding
-                ids[j, width - len(p):] = torch.tensor(p)
-                att[j, width - len(p):] = 1
-            gen = target.generate(input_ids=ids, attention_mask=att, do_sample=False,
-                                  max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                  eos_token_id=sorted(stop_ids))
-            for j, r in enumerate(chunk):
-                out = gen[j, width:].tolist()
-                cut = next((k + 1 for k, t in enumerate(out) if t in stop_ids), len(out))
-                rec = {"id": r["id"], "domain": r["domain"], "prompt_ids": prompts[j],
-                       "output_ids": out[:cut]}
-                done[r["id"]] = rec
+        for i in range(0, len(todo), chunk):
+            part = todo[i:i + chunk]
+            reqs = [Request(p, SamplingParams(max_new_tokens=new_tokens, stop_token_ids=stops))
+                    for _, _, p in part]
+            for (rid, domain, p), o in zip(part, engine.run(reqs)):
+                rec = {"id": rid, "domain": domain, "prompt_ids": p, "output_ids": o.output_ids}
+                done[rid] = rec
                 f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            bar.update(len(chunk))
+            bar.update(len(part))
     bar.close()
-    return [done[r["id"]] for r in records]
+    return [done[it[0]] for it in items]
 
 
 def _read_tolerant(path: Path):
@@ -214,12 +252,40 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
+def loss_slots(block_size: int, gamma: float, floor: float = 0.01) -> int:
+    """Leading block slots (slot 0 included) whose weight exp(-(k-1)/gamma) is at least
+    ``floor``: the drafter's last layer, the LM head and the loss run on these alone in training
+    (every slot still gives keys and values, so their states are exactly the whole block's).
+    Gamma 7 keeps all 16 slots of a block; gamma 2 keeps 11, and the 5 it drops weighed 1.4%
+    of a block, for a third of the LM head's work."""
+    w = position_weights(block_size, gamma)
+    return max(2, min(block_size, int((w[1:] >= floor).sum()) + 1))
+
+
 def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """logits [N, B, V], labels [N, B], weights [B] -> weighted mean CE over valid slots."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
                          reduction="none").view(labels.shape)
     w = weights[None, :] * (labels != IGNORE)
     return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def distill_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+               weights: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Weighted mean over valid slots of KL(p_teacher || p_drafter) at ``temperature`` (times
+    T^2, so the gradient's scale does not shrink with T).
+
+    logits, teacher_logits [N, B, V] (slot k's teacher is the target's distribution at the
+    position before slot k's label); labels [N, B] mark the valid slots; weights [B].
+    The teacher is detached. At T=0 on regenerated data the hard label is the teacher's argmax,
+    so this gives the drafter the rest of the target's distribution: which near misses are near.
+    """
+    t = float(temperature)
+    log_q = F.log_softmax(logits.float() / t, dim=-1)
+    log_p = F.log_softmax(teacher_logits.detach().float() / t, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1) * (t * t)  # [N, B]
+    w = weights[None, :] * (labels != IGNORE)
+    return (kl * w).sum() / w.sum().clamp(min=1e-8)
 
 
 def accept_lengths(proposals: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -239,7 +305,7 @@ def build_drafter(target_config, cfg: DrafterTrainConfig, mask_token_id: int):
     tc = target_config
     rope = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     dc = DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        hidden_size=tc.hidden_size, intermediate_size=cfg.intermediate_size or tc.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
         vocab_size=tc.vocab_size, num_target_layers=tc.num_hidden_layers,
@@ -267,15 +333,41 @@ def target_features(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Te
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Final normed block states [N, B, H] of every block, with context K/V per sequence."""
+@torch.no_grad()
+def target_features_and_states(target, ids: torch.Tensor,
+                               layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward: the context features [bs, C, K*H] (as :func:`target_features`) and
+    the final normed states [bs, C, H] that the LM head turns into the target's logits."""
+    out = target.model(input_ids=ids, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return feats, out.last_hidden_state
+
+
+@torch.no_grad()
+def block_teacher_logits(target, final_states: torch.Tensor, blocks: Blocks,
+                         slots: int | None = None) -> torch.Tensor:
+    """[N, B, V] (B = ``slots`` leading slots when given): the target's logits at the position
+    before each block slot (slot k is labelled with the token at anchor+k, which the target
+    predicts at anchor+k-1). Slots past the sequence read a clamped position; their labels are
+    IGNORE, so they weigh nothing."""
+    pos = (blocks.positions[:, :slots] - 1).clamp(0, final_states.shape[1] - 1)  # [N, B]
+    rows = final_states[blocks.seq_indices[:, None], pos]  # [N, B, H]
+    return target.lm_head(rows)
+
+
+def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks, slots: int | None = None) -> torch.Tensor:
+    """Final normed block states [N, B, H] of every block, with context K/V per sequence; with
+    ``slots``, those of the leading slots only, [N, slots, H] (the same values)."""
     bs, c, _ = feats.shape
     ctx = drafter.project_context(feats)  # [bs, C, H]
     ctx_pos = torch.arange(c, device=feats.device)[None].expand(bs, -1)
     ctx_kv = drafter.context_kv(ctx, ctx_pos)  # per layer ([bs, kvh, C, hd] x2)
     per_block = [(k[blocks.seq_indices], v[blocks.seq_indices]) for k, v in ctx_kv]
     emb = drafter.embed_tokens(blocks.input_ids)
-    return drafter(emb, blocks.positions, per_block, blocks.mask)
+    read = None
+    if slots is not None and slots < blocks.input_ids.shape[1]:
+        read = torch.arange(slots, device=emb.device)[None].expand(emb.shape[0], -1)
+    return drafter(emb, blocks.positions, per_block, blocks.mask, read)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,14 +407,15 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         saved = DrafterTrainConfig.from_dict(state["config"])
-        for k in ("num_layers", "target_layer_ids", "block_size"):
+        for k in ("num_layers", "intermediate_size", "target_layer_ids", "block_size"):
             if getattr(saved, k) != getattr(cfg, k):
                 raise ValueError(f"{ckpt} was trained with {k}={getattr(saved, k)}, now "
                                  f"{getattr(cfg, k)}: delete it or use the same config")
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-    weights = position_weights(cfg.block_size, cfg.gamma)
+    slots = loss_slots(cfg.block_size, cfg.gamma)
+    weights = position_weights(cfg.block_size, cfg.gamma)[:slots]
     usable = [s for s in seqs if len(s["output_ids"]) >= 2]
     per_epoch = max(1, len(usable) // cfg.batch_size)
     log_path = work_dir / "drafter_log.jsonl"
@@ -348,17 +441,22 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
         ids, lens, plens = collate(batch, tokenizer.pad_token_id)
         anchors = [sample_anchors(p, n, cfg.anchors_per_seq, rng) for p, n in zip(plens, lens)]
         blocks = make_blocks(ids, lens, anchors, cfg.block_size, mask_id)
-        feats = target_features(target, ids, cfg.target_layer_ids)
-        hidden = drafter_forward(drafter, feats, blocks)
-        logits = drafter.logits(hidden)  # [N, B, V]
-        loss = weighted_ce(logits, blocks.labels, weights)
+        feats, final_states = target_features_and_states(target, ids, cfg.target_layer_ids)
+        hidden = drafter_forward(drafter, feats, blocks, slots)
+        logits = drafter.logits(hidden)  # [N, slots, V]
+        labels = blocks.labels[:, :slots]
+        loss = weighted_ce(logits, labels, weights)
+        if cfg.kd_weight > 0:
+            teacher = block_teacher_logits(target, final_states, blocks, slots)
+            kd = distill_kl(logits, teacher, labels, weights, cfg.kd_temperature)
+            loss = (1 - cfg.kd_weight) * loss + cfg.kd_weight * kd
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
         with torch.no_grad():
-            acc = accept_lengths(logits.argmax(-1), blocks.labels).float().mean().item() + 1
+            acc = accept_lengths(logits.argmax(-1), labels).float().mean().item() + 1
         li = loss.item()
         ema = li if ema is None else 0.9 * ema + 0.1 * li
         bar.update(1)

@@ -32,6 +32,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from sglang_adaflash.assets import chat_format as cf
+
 from .data import DOMAINS, DataConfig, build_all, load_split
 from .dflash_offline import DrafterTrainConfig
 from .target_lm import TargetConfig
@@ -102,8 +104,10 @@ def stage_unlikelihood(out: Path, data_dir: Path, base_dir: Path, cfg: Unlikelih
 
 def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: DrafterTrainConfig,
                          progress: bool = True) -> tuple[list[dict], list[dict]]:
-    """The target's greedy responses the drafters train on (work/regen.train.jsonl, code and
-    prose) and are measured on (work/regen.heldout.jsonl); resumes from what is there."""
+    """The target's greedy data the drafters train on (work/regen.train.jsonl: responses to the
+    training prompts of cfg.domains; work/regen.cont.jsonl: continuations of their reference
+    responses from a seeded cut, when cfg.continuation_new_tokens > 0) and are measured on
+    (work/regen.heldout.jsonl); resumes from what is there."""
     from . import dflash_offline as dfo
 
     work.mkdir(parents=True, exist_ok=True)
@@ -114,6 +118,11 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
         train_recs += recs[:cfg.max_prompts_per_domain]
     seqs = dfo.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
                           cfg.max_new_tokens, cfg.gen_batch_size, progress)
+    if cfg.continuation_new_tokens > 0:
+        stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
+        seqs += dfo.generate_greedy(target, dfo.continuation_contexts(tokenizer, train_recs),
+                                    work / "regen.cont.jsonl", cfg.continuation_new_tokens, stop_ids,
+                                    cfg.gen_batch_size, progress)
     eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
     eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
                                cfg.max_new_tokens, cfg.gen_batch_size, progress)

@@ -5,7 +5,9 @@ The same store functions the distillation job and the serving side use
 job would have: hashed, numbered above every version the volume ever had, and verified before a
 serving process is pointed at it. On Kubernetes the operator owns the fleet version (pin with
 `spec.drafter.pinnedVersion`); `pin` is for serving processes that poll a fleet version file
-themselves (`ADAFLASH_FLEET_VERSION_FILE`, docs/sglang.md).
+themselves (`ADAFLASH_FLEET_VERSION_FILE`, docs/sglang.md). Like the admin call, `pin` refuses
+a version the operator blocked (listed in `ADAFLASH_BLOCKED_VERSIONS_FILE`: Rejected or
+RolledBack) unless told `--force`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--file", default=None, metavar="PATH",
                    help="fleet version file (default $ADAFLASH_FLEET_VERSION_FILE)")
     q.add_argument("--clear", action="store_true", help="remove the pin (the file)")
+    q.add_argument("--blocked-file", default=None, metavar="PATH",
+                   help="versions the operator took out of service, one `VERSION REASON` a line "
+                        "(default $ADAFLASH_BLOCKED_VERSIONS_FILE); a version listed there is refused")
+    q.add_argument("--force", action="store_true",
+                   help="pin a version even though the blocked-versions file lists it")
     return p
 
 
@@ -215,6 +222,7 @@ def cmd_import(args) -> int:
 def cmd_pin(args) -> int:
     from ..drafter.checkpoint import CheckpointError
     from ..drafter.store import write_pin
+    from ..serving.reload import ENV_BLOCKED_VERSIONS_FILE, read_blocked_versions
 
     path = args.file or next((os.environ[e] for e in FLEET_FILE_ENVS if os.environ.get(e)), None)
     if not path:
@@ -227,11 +235,17 @@ def cmd_pin(args) -> int:
         print(f"unpinned: removed {path}")
         return 0
     version = _resolve(args.home, args.version)
+    # the admin call's rule: a version the operator's gate or rollback blocked needs --force
+    blocked = read_blocked_versions(args.blocked_file or os.environ.get(ENV_BLOCKED_VERSIONS_FILE))
+    why = blocked.get(version)
+    if why and not args.force:
+        raise CLIError(f"drafter version {version} is {why} by the operator's gate or rollback "
+                       f"(listed in the blocked-versions file); pass --force to pin it anyway")
     try:
         write_pin(path, args.home, version)
     except CheckpointError as e:
         raise CLIError(str(e)) from None
-    print(f"pinned {version} in {path}")
+    print(f"pinned {version} in {path}" + (f" (forced past {version} {why})" if why else ""))
     return 0
 
 

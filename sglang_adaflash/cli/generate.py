@@ -24,7 +24,7 @@ import torch
 from ..core.sampling import RequestError, SamplingParams
 from ..d2sd.cli import attach_recovery, options_from_args
 from ..engine.request import Request, RequestOutput, RequestStats
-from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
+from ..launch.engine_factory import check_batch_size, check_seed, make_engine, quiet_transformers
 from ..launch.loading import LoadedPair, load_pair
 from ..launch.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids, unicode_problem
 from .traffic_sink import open_sink
@@ -39,6 +39,8 @@ class PreparedRequests:
     requests: dict[int, Request] = field(default_factory=dict)
     # index into specs -> error message
     errors: dict[int, str] = field(default_factory=dict)
+    # set by iter_prepared when the engine failed in a way no request can be blamed for
+    engine_failure: str | None = None
 
     @property
     def max_seq_len(self) -> int:
@@ -78,7 +80,7 @@ def prepare_requests(
             top_p=top_p,
             max_new_tokens=n,
             stop_token_ids=stops,
-        )
+        ).canonical(pair.target.vocab_size)  # as the traffic sink records it: what the engine does
         # engine ids are positional: user ids may repeat across lines
         prep.requests[i] = Request(ids, sampling, request_id=f"r{i}", domain=spec.domain)
     return prep
@@ -88,7 +90,10 @@ def iter_prepared(engine, prep: PreparedRequests, progress=None) -> Iterator[tup
     """(prompt index, output) for every prompt, as each becomes final.
 
     Prompts that failed before the engine come first, in prompt order; then the engine's
-    refusals and finished requests in the order the engine produces them.
+    refusals and finished requests in the order the engine produces them. A request the engine
+    fails on alone (engine.admission) is one error record among the others. When a step fails in
+    a way no request can be blamed for, the engine stops: every request not finished yet gets an
+    error record saying so, and ``prep.engine_failure`` says why.
     """
     block = getattr(engine, "block_size", 1)
     for i in sorted(prep.errors):
@@ -99,8 +104,19 @@ def iter_prepared(engine, prep: PreparedRequests, progress=None) -> Iterator[tup
     if not order:
         return
     index = {prep.requests[i].request_id: i for i in order}
-    for out in engine.run_iter([prep.requests[i] for i in order], progress=progress):
-        yield index[out.request_id], out
+    done: set[int] = set()
+    try:
+        for out in engine.run_iter([prep.requests[i] for i in order], progress=progress):
+            done.add(index[out.request_id])
+            yield index[out.request_id], out
+    except Exception as e:  # the engine's state is unknown: what finished stays, the rest fails
+        prep.engine_failure = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        message = f"the engine failed ({prep.engine_failure}) before this request finished"
+        for i in order:
+            if i not in done:
+                req = prep.requests[i]
+                yield i, RequestOutput(req.request_id, list(req.prompt_ids), [], "error", RequestStats(block),
+                                       message, req.domain, fault=True)
 
 
 def decode(tokenizer, ids: list[int]) -> str | None:
@@ -132,8 +148,7 @@ def output_record(index: int, spec: PromptSpec, out: RequestOutput, tokenizer) -
 
 def _check_flags(args) -> None:
     """Everything that can be told wrong before a model is loaded."""
-    if args.max_batch_size < 1:
-        raise CLIError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    check_batch_size(args.max_batch_size)
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:  # the shared sampling settings are checked once
@@ -197,6 +212,9 @@ def cmd_generate(args) -> int:
     finally:
         if sink is not None:
             sink.close()
+    if prep.engine_failure:
+        print(f"adaflash generate: the engine failed ({prep.engine_failure}); the requests it had not "
+              "finished are error records", file=sys.stderr)
     if printer.failed:
         print(f"adaflash: {printer.failed} of {len(specs)} request(s) failed", file=sys.stderr)
     return 1 if printer.failed else 0

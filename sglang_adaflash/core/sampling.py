@@ -7,10 +7,20 @@ distribution: exactly what plain sampling with those settings would produce.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+#: Temperatures below this decode greedily. softmax(logits / T) for T this small puts all its
+#: mass on the argmax unless two logits lie within ~1e-4 of each other, and dividing float32
+#: logits by a smaller T overflows (1e-38 gives inf, 1e-300 rounds to 0 and gives NaN). The same
+#: epsilon as vLLM's; SGLang uses 1e-6.
+SAMPLING_EPS = 1e-5
+# The temperature a sampled row is divided by is clamped to [SAMPLING_EPS, _MAX_T]: a float64
+# temperature past float32's range would become inf, and logits / inf is 0 or NaN.
+_MAX_T = torch.finfo(torch.float32).max
 
 
 class RequestError(ValueError):
@@ -19,7 +29,7 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below SAMPLING_EPS (0 included) = greedy
     top_k: int = 0  # 0 = no top-k
     top_p: float = 1.0  # 1 = no top-p
     max_new_tokens: int = 64
@@ -30,7 +40,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    def canonical(self, vocab_size: int) -> SamplingParams:
+        """The same decoding, spelt one way (what traffic records store): a temperature below
+        SAMPLING_EPS is 0 (greedy), a top_k at or past the vocabulary is 0 (off)."""
+        return dataclasses.replace(self, temperature=0.0 if self.greedy else self.temperature,
+                                   top_k=0 if self.top_k >= vocab_size else self.top_k)
 
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
@@ -63,8 +79,11 @@ def filtered_probs(
     """softmax(logits / T) restricted to the top-k and top-p set, renormalised.
 
     logits [N, V]; temperature, top_k, top_p [N] (rows must have T > 0). Returns float32 [N, V].
+    Finite logits give a distribution for every T > 0 and top_p > 0: T is clamped to
+    [SAMPLING_EPS, float32 max] (callers decode rows below SAMPLING_EPS greedily), and the
+    top-p set always keeps the most likely token, however small top_p rounds in float32.
     """
-    logits = logits.float() / temperature.float()[:, None]
+    logits = logits.float() / temperature.float().clamp(SAMPLING_EPS, _MAX_T)[:, None]
     vocab = logits.shape[-1]
     if not bool(((top_k > 0) & (top_k < vocab)).any()) and not bool((top_p < 1).any()):
         return logits.softmax(-1)  # nothing to filter
@@ -84,9 +103,10 @@ def _keep_mask(sorted_logits: torch.Tensor, probs_sorted_fn, top_k: torch.Tensor
     k = torch.where(top_k > 0, top_k, width)[:, None]
     drop = rank >= k
     probs_sorted = probs_sorted_fn(sorted_logits.masked_fill(drop, float("-inf")))
-    # drop a token once the mass strictly before it already reaches top_p (keeps at least one)
+    # drop a token once the mass strictly before it already reaches top_p; the first is always
+    # kept (a top_p of 1e-300 is 0 in float32, and 0 >= 0 would drop every token)
     mass_before = probs_sorted.cumsum(-1) - probs_sorted
-    return ~(drop | (mass_before >= top_p.float()[:, None]))
+    return ~(drop | (mass_before >= top_p.float()[:, None])) | (rank == 0)
 
 
 def _filtered_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

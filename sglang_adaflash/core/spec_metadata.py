@@ -12,7 +12,8 @@ Shapes, with bs rows and K = max(lengths) - 1 proposal slots:
   token) is included, so row i checks L_i - 1 proposals; L_i = 1 is a plain decode row.
 - ``draft_ids`` [bs, K] long, on the device: row i's proposals in its first L_i - 1 slots (the
   rest is padding and never read).
-- ``sampled``: the rows that sample (temperature > 0), in ascending order; the others are greedy.
+- ``sampled``: the rows that sample (temperature >= SAMPLING_EPS), in ascending order; the
+  others are greedy.
 - ``draft_probs`` [len(sampled), K, V]: q, the filtered drafter distribution each sampled row's
   proposal was drawn from (None when no row samples or K = 0).
 - ``sampling``: the sampled rows' own temperature, top-k, top-p and random streams (None when

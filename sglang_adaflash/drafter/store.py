@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -38,11 +37,12 @@ from typing import Any
 import torch
 
 from ..fsio import fsync_dir, write_json_atomic, write_text_atomic
+from ..validation import InvalidVersion, is_version
+from ..validation import version_number as _version_number
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .config import DrafterConfig
 from .manifest import MANIFEST_NAME, ManifestError, build_manifest, verify_manifest_files
 
-VERSION_RE = re.compile(r"^v(\d{6,})$")
 LATEST_NAME = "latest"
 LOCK_NAME = ".publish.lock"
 #: Highest number ever published, so a deleted version's number is not handed out again.
@@ -62,10 +62,11 @@ def format_version(n: int) -> str:
 
 
 def version_number(version: str) -> int:
-    m = VERSION_RE.match(version)
-    if not m:
-        raise CheckpointError(f"{version!r} is not a drafter version (expected v000001, v000002, ...)")
-    return int(m.group(1))
+    """``v000042`` -> 42 (ASCII digits only: sglang_adaflash.validation); else CheckpointError."""
+    try:
+        return _version_number(version)
+    except InvalidVersion as e:
+        raise CheckpointError(str(e)) from None
 
 
 def list_versions(home: str | os.PathLike) -> list[str]:
@@ -73,7 +74,7 @@ def list_versions(home: str | os.PathLike) -> list[str]:
     d = drafters_dir(home)
     if not d.is_dir():
         return []
-    found = [p.name for p in d.iterdir() if VERSION_RE.match(p.name) and p.is_dir()]
+    found = [p.name for p in d.iterdir() if is_version(p.name) and p.is_dir()]
     return sorted(found, key=version_number)
 
 
@@ -83,7 +84,7 @@ def latest_version(home: str | os.PathLike) -> str | None:
         name = path.read_text().strip()
     except FileNotFoundError:
         return None
-    if not VERSION_RE.match(name):
+    if not is_version(name):
         raise CheckpointError(f"{path} names {name!r}, which is not a version like v000001")
     return name
 

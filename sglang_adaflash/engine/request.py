@@ -80,6 +80,9 @@ class RequestOutput:
     stats: RequestStats
     error: str | None = None
     domain: str | None = None
+    # finish_reason "error" because the engine failed on this request (engine.admission), not
+    # because its input was refused: a server answers 500 rather than 400
+    fault: bool = False
 
     @property
     def ok(self) -> bool:

@@ -55,6 +55,7 @@ def make_engine(
     *,
     num_requests: int | None = None,
     batch_flag: str = "--max-batch-size",
+    lengths_from: str | None = None,
 ):
     """An engine whose caches fit: slots for at most the requests there are, and a clear refusal
     (CLIError) when even those would not fit in the device's free memory."""
@@ -83,6 +84,7 @@ def make_engine(
             from ..d2sd.cli import make_d2sd_engine
 
             return make_d2sd_engine(pair, slots, max_seq_len, seed)
+        extra = {} if lengths_from is None else {"lengths_from": lengths_from}
         return SpecEngine(
             pair.target,
             drafter,
@@ -90,6 +92,7 @@ def make_engine(
             max_batch_size=slots,
             max_seq_len=max_seq_len,
             seed=seed,
+            **extra,
         )
     except ValueError as e:
         raise CLIError(" ".join(str(e).split())) from None
@@ -98,6 +101,17 @@ def make_engine(
             f"cannot allocate the KV caches ({_gib(need)} for {slots} request(s) of up to {max_seq_len} tokens): "
             f"{' '.join(str(e).split())[:200]}; lower {batch_flag} or --max-new-tokens"
         ) from None
+
+
+#: Most engine slots a command line may ask for. Slot-indexed state (caches, the calibration
+#: posterior, the pending-feature buffer) is sized by it, and no CPU or single GPU decodes more
+#: requests at once with the reference engine; a larger number is a typo, refused before loading.
+MAX_BATCH_SIZE = 4096
+
+
+def check_batch_size(value: int, flag: str = "--max-batch-size") -> None:
+    if not 1 <= value <= MAX_BATCH_SIZE:
+        raise CLIError(f"{flag} must be in 1..{MAX_BATCH_SIZE}, got {value}")
 
 
 def check_seed(seed: int) -> None:

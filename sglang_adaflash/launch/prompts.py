@@ -5,7 +5,7 @@ One JSON object per line:
     {"prompt": "text"}                      tokenized with the target's tokenizer (chat format
                                             applied when the tokenizer carries a chat template)
     {"prompt_ids": [1, 4, 87, ...]}         used as is
-    optional: "id", "domain", "max_new_tokens"; other keys are ignored
+    optional: "id" (a string or an integer), "domain", "max_new_tokens"; other keys are ignored
 
 A line that cannot be read becomes a prompt with an error (naming the file and line number): it
 fails alone, the other lines are still served. That covers bytes that are not UTF-8, text or ids
@@ -36,6 +36,9 @@ class PromptSpec:
     domain: str | None = None
     error: str | None = None  # set when the line itself is unusable
     where: str = ""  # "file:line" for messages
+
+
+_JSON_TYPES = {dict: "object", list: "array", bool: "boolean"}
 
 
 def _is_int(x) -> bool:
@@ -71,7 +74,12 @@ def parse_prompt_record(obj, where: str, default_id: str) -> PromptSpec:
         spec.error = f"{where}: expected a JSON object with 'prompt' or 'prompt_ids', found {type(obj).__name__}"
         return spec
     if "id" in obj and obj["id"] is not None:
-        user_id = str(obj["id"])
+        raw_id = obj["id"]
+        if not (isinstance(raw_id, str) or _is_int(raw_id)):  # str() would print a Python repr
+            found = f"number {raw_id!r}" if isinstance(raw_id, float) else _JSON_TYPES.get(type(raw_id), "value")
+            spec.error = f"{where}: 'id' must be a string or an integer, found {found}"
+            return spec
+        user_id = str(raw_id)
         bad = unicode_problem(user_id)
         if bad:  # refused rather than mangled: the record keeps the line's default id
             spec.error = f"{where}: 'id' is not valid Unicode text ({bad})"

@@ -9,15 +9,17 @@ exactly the non-streamed one.
 Failure rules, each answered with an OpenAI-style error body: a body that is not valid JSON or
 a field that is wrong is 400 and touches nothing else; a full queue is 429; an unknown model is
 404; a request past ``--request-timeout`` is aborted in the engine and answered 504 (or ends its
-stream with an error event); a stopped or broken engine loop is 503. A client that goes away
-(a closed stream, a dropped connection while waiting) has its request aborted at the next step
-boundary, which frees its slot for the next request.
+stream with an error event); a request the engine failed on (a fault it blames on that request
+alone) is 500 ``engine_fault`` and the others go on; a stopped or broken engine loop is 503. A
+broken loop also marks ``/health`` failed and, ``FATAL_EXIT_GRACE_S`` later, stops the server,
+whose command then exits 1 so that a supervisor restarts it. A client that goes away (a closed
+stream, a dropped connection while waiting) has its request aborted at the next step boundary,
+which frees its slot for the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,6 +31,7 @@ from starlette.requests import Request as HTTPRequest
 from ..core.sampling import SamplingParams
 from ..engine.request import Request
 from ..launch.prompts import encode_prompt
+from ..validation import parse_json_body
 from . import sse
 from .engine_loop import ACCEPTED, DONE, FAILED, TOKENS, EngineLoop, Job, LoopClosed, QueueFull
 from .protocol import (
@@ -37,6 +40,7 @@ from .protocol import (
     CompletionRequest,
     ResponseBuilder,
     bad_request,
+    check_text,
     error_body,
     new_id,
     parse,
@@ -47,6 +51,11 @@ from .textstream import TextStream
 logger = logging.getLogger(__name__)
 
 DISCONNECTED = "disconnected"  # posted by the handler's own watcher, not by the engine loop
+#: How long a server whose engine loop failed keeps answering (``/health`` 503 with the error,
+#: requests 503) before it stops, so that a probe or a log collector sees why.
+FATAL_EXIT_GRACE_S = 2.0
+#: The exit status of `adaflash serve` after its engine loop failed.
+EXIT_ENGINE_FAILED = 1
 #: OpenAI's default max_tokens for /v1/completions.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -58,6 +67,7 @@ class ServerSettings:
     port: int = 8000
     request_timeout_s: float = 600.0
     mode: str = "adaflash"
+    fatal_exit_grace_s: float = FATAL_EXIT_GRACE_S
 
 
 class _Handle:
@@ -73,6 +83,15 @@ class _Handle:
 
 class ClientGone(Exception):
     """The client disconnected; there is nobody to answer."""
+
+
+def refusal(out) -> APIError:
+    """A request the engine ended with an error: its input refused (400), or a fault the engine
+    blamed on it alone (500 ``engine_fault``: the server serves the others)."""
+    if out.fault:
+        return APIError(500, out.error or "the engine failed on this request", "server_error", None,
+                        "engine_fault")
+    return bad_request(out.error or "the engine refused the request")
 
 
 class AdaFlashServer:
@@ -91,6 +110,7 @@ class AdaFlashServer:
         self.admin_env = admin_env
         self.started_at = int(time.time())
         self.ready = False
+        self._request_exit = None  # set by uvicorn_server(): stops the HTTP server
         self._counter = None
         self._gauges = None
         if registry is not None:
@@ -105,10 +125,33 @@ class AdaFlashServer:
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self.loop.post = aio_loop.call_soon_threadsafe
+        self.loop.on_fatal = lambda error: aio_loop.call_soon_threadsafe(self._fatal, error, aio_loop)
         self.loop.start()
         if self.reloader is not None:
             self.reloader.start()
         self.ready = True
+
+    @property
+    def exit_code(self) -> int:
+        """What `adaflash serve` exits with once the HTTP server stopped."""
+        return EXIT_ENGINE_FAILED if self.loop.error is not None else 0
+
+    def uvicorn_server(self, **config):
+        """The uvicorn server for this app; it is stopped when the engine loop fails."""
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(self.app(), **config))
+        self._request_exit = lambda: setattr(server, "should_exit", True)
+        return server
+
+    def _fatal(self, error: str, aio_loop: asyncio.AbstractEventLoop) -> None:
+        """On the event loop, once: stop being ready, and stop the server after the grace."""
+        self.ready = False
+        logger.error("adaflash serve: %s; /health answers 503, and the server stops in %g s (exit status "
+                     "%d) so that its supervisor restarts it", error, self.settings.fatal_exit_grace_s,
+                     EXIT_ENGINE_FAILED)
+        if self._request_exit is not None:
+            aio_loop.call_later(self.settings.fatal_exit_grace_s, self._request_exit)
 
     def stop(self) -> None:
         self.ready = False
@@ -239,11 +282,10 @@ class AdaFlashServer:
     async def _serve(self, request, chat: bool):
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
+            body = parse_json_body(await request.body())
+        except ValueError as e:
+            raise bad_request(str(e)) from None
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         req.check_supported()
         self._check_model(req.model)
@@ -254,6 +296,7 @@ class AdaFlashServer:
         temperature, top_p, top_k = req.sampling_values()
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=limit,
                                   stop_token_ids=() if req.ignore_eos else self.stop_token_ids, seed=req.seed)
+        sampling = sampling.canonical(self.engine.target.vocab_size)  # what the engine does, as recorded
         headers = request.headers
         rid = new_id("chatcmpl" if chat else "cmpl")
         handle = _Handle()
@@ -274,7 +317,7 @@ class AdaFlashServer:
             first = await self._next(job, handle, deadline)
             if first[0] == DONE and first[1].finish_reason == "error":
                 handle.finished = True
-                raise bad_request(first[1].error or "the engine refused the request")
+                raise refusal(first[1])
             if first[0] == FAILED:
                 handle.finished = True
                 raise APIError(503, first[1], "server_error", None, "unavailable")
@@ -303,8 +346,11 @@ class AdaFlashServer:
         if chat:
             if tok is None or not getattr(tok, "chat_template", None):
                 raise bad_request("the served model's tokenizer has no chat template: use /v1/completions")
+            conversation = req.conversation()
+            for message in conversation:
+                check_text(message["content"], "messages")
             try:
-                out = tok.apply_chat_template(req.conversation(), add_generation_prompt=True, tokenize=True)
+                out = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
             except Exception as e:  # jinja errors, roles the template refuses
                 raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
             ids = out["input_ids"] if hasattr(out, "keys") else out
@@ -314,6 +360,7 @@ class AdaFlashServer:
             return prompt  # token ids: the engine checks the range
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
+        check_text(prompt, "prompt")
         if tok is None:
             raise bad_request("the served model has no tokenizer: send the prompt as token ids", "prompt")
         try:
@@ -370,7 +417,7 @@ class AdaFlashServer:
                 handle.finished = True
                 out, builder.fingerprint = event[1], event[2]
                 if out.finish_reason == "error":
-                    raise APIError(400, out.error or "the engine refused the request")
+                    raise refusal(out)
                 ids = list(out.output_ids)
                 piece = text.update(ids)
                 finish = "stop"

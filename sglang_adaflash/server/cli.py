@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 
 from ..errors import CLIError
@@ -54,7 +55,7 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="torch device (default cpu)")
     s.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler (default 0)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    s.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (default 32)")
+    s.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together, 1..4096 (default 32)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for a slot; beyond them the server answers 429 (default 256)")
     s.add_argument("--max-seq-len", type=int, default=None,
@@ -78,11 +79,11 @@ def add_parser(sub, model_dir) -> argparse.ArgumentParser:
 
 
 def _check_flags(args) -> None:
+    from ..launch.engine_factory import check_batch_size
+
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_batch_size",):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_batch_size(args.max_batch_size)
     if args.max_queue < 0:
         raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_seq_len is not None and args.max_seq_len < 2:
@@ -241,8 +242,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_flags(args)
@@ -252,13 +251,16 @@ def cmd_serve(args) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"adaflash serve: model {server.settings.model_name!r}, mode {args.mode}, drafter "
           f"{server.loop.version or 'none'}, listening on http://{shown}:{port}", flush=True)
-    config = uvicorn.Config(server.app(), log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=10)
+    http = server.uvicorn_server(log_level=args.log_level, access_log=args.access_log,
+                                 timeout_graceful_shutdown=10)
     try:
         # On SIGINT/SIGTERM uvicorn stops accepting, lets open requests finish (10 s at most),
         # runs the shutdown (engine loop, reload watcher, traffic shard closed) and re-raises
-        # the signal: Ctrl-C then exits 130 through the CLI.
-        uvicorn.Server(config).run(sockets=[sock])
+        # the signal: Ctrl-C then exits 130 through the CLI. A failed engine loop stops it too.
+        http.run(sockets=[sock])
     finally:
         sock.close()
-    return 0
+    if server.exit_code:
+        print(f"adaflash serve: stopped because {server.loop.error}; exiting {server.exit_code} so that a "
+              "supervisor restarts the server", file=sys.stderr, flush=True)
+    return server.exit_code

@@ -12,9 +12,13 @@ Admission is bounded: at most ``capacity`` requests (running plus waiting) are o
 queue must be told to the client at once; queueing without bound would only turn the overload
 into timeouts.
 
-If a step raises, the engine's state can no longer be trusted (caches half written): every
-outstanding request fails, the loop stops, and ``/health`` reports it so that a supervisor
-restarts the process.
+Faults: a request the engine can blame for a failure (its prefill raised, see
+:mod:`~sglang_adaflash.engine.admission`) comes back finished with ``fault=True``; it fails
+alone, its slot is free again, and the loop goes on. A step that raises is a failure nobody can
+be blamed for (a decode step half written, or an engine that cannot prefill even a probe): the
+engine's state can no longer be trusted, every outstanding request fails with FAILED, the loop
+stops, and ``on_fatal`` is called so that the server reports it (``/health``) and exits
+non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class EngineLoop:
         reloader=None,
         sink: MetricsSink | None = None,
         on_finish: Callable[[Job, RequestOutput, str | None], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
         version: str | None = None,
         idle_wait_s: float = 0.2,
     ):
@@ -90,6 +95,7 @@ class EngineLoop:
         self.reloader = reloader
         self.sink = sink if getattr(engine, "block_size", 1) > 1 else None  # ar: nothing drafted
         self.on_finish = on_finish
+        self.on_fatal = on_fatal  # called on the loop thread, once, after a failure stopped it
         self.version = reloader.status.loaded_version if reloader is not None else version
         self.idle_wait_s = idle_wait_s
         self.steps = 0
@@ -179,11 +185,16 @@ class EngineLoop:
                 self._boundary()
                 if self.engine.has_unfinished():
                     self._flush(self._step())
-        except Exception as e:  # the engine's state is unknown now: fail loudly, serve no more
+        except Exception as e:  # no request to blame, the engine's state is unknown: serve no more
             logger.exception("adaflash serve: the engine loop failed; no more requests are served")
             with self._cv:
                 self.error = f"the engine failed: {type(e).__name__}: {e}"
         self._fail_all(self.error or "the server is shutting down")
+        if self.error is not None and self.on_fatal is not None:
+            try:
+                self.on_fatal(self.error)
+            except Exception:
+                logger.exception("adaflash serve: reporting the engine loop's failure failed")
 
     def _admit(self, job: Job, events: list) -> None:
         refused = self.engine.submit(job.request)
@@ -199,6 +210,9 @@ class EngineLoop:
         t0 = time.perf_counter()
         swapped = self.reloader.at_step_boundary()
         if swapped is not None:
+            forget = getattr(self.engine, "drafter_swapped", None)
+            if forget is not None:  # the old version's acceptance history is not the new one's
+                forget()
             pause = time.perf_counter() - t0
             self.version = swapped
             self.swaps.append((swapped, pause))

@@ -20,10 +20,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..launch.prompts import unicode_problem
+from ..validation import parse_flag
+
 #: Longest domain tag accepted (it becomes a metric label and a traffic record field).
 MAX_DOMAIN_CHARS = 128
 #: Most stop strings one request may carry (OpenAI allows 4; a few more cost nothing here).
 MAX_STOPS = 16
+#: The per-request traffic opt-out header (the SGLang plugin honours the same one).
+NO_LOG_HEADER = "x-adaflash-no-log"
 
 
 class APIError(Exception):
@@ -45,6 +50,14 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
+
+
+def check_text(text: str, param: str) -> None:
+    """400 for text that holds a lone surrogate (a JSON escape such as "\\ud800"): no tokenizer,
+    metric label or traffic record can take it, and the client should hear which field it was."""
+    bad = unicode_problem(text)
+    if bad:
+        raise bad_request(f"{param} is not valid Unicode text ({bad}); send UTF-8 text", param)
 
 
 def unsupported(param: str, what: str) -> APIError:
@@ -71,7 +84,8 @@ class _Sampling(BaseModel):
     # outputs equal plain decoding token for token), top_p 1, no top-k.
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    # -1 and 0 both mean no top-k (vLLM and SGLang clients send -1).
+    # -1 and 0 both mean no top-k (vLLM and SGLang clients send -1); so does any value at or
+    # beyond the vocabulary (recorded as 0: SamplingParams.canonical).
     top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     # a sampled request with a seed draws from its own generator (docs/serving.md)
@@ -110,6 +124,10 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            bad = unicode_problem(s)
+            if bad:  # it could never match decoded text
+                raise ValueError(f"stop strings must be valid Unicode text ({bad})")
         return stops
 
     def stops(self) -> list[str]:
@@ -134,14 +152,24 @@ class _Sampling(BaseModel):
         if not isinstance(value, str) or len(value) > MAX_DOMAIN_CHARS:
             raise bad_request(f"metadata.domain must be a string of at most {MAX_DOMAIN_CHARS} "
                               "characters", "metadata.domain")
+        # it becomes a metric label and a record field: both must be writable as UTF-8
+        check_text(value, "metadata.domain")
         return value
 
     def no_log(self, header: str | None) -> bool:
-        """The per-request traffic opt-out: ``metadata.adaflash_no_log`` or ``x-adaflash-no-log``."""
-        flag = (self.metadata or {}).get("adaflash_no_log")
-        if flag in (True, "true", "1", 1):
-            return True
-        return (header or "").strip().lower() in ("1", "true", "yes")
+        """The per-request traffic opt-out: ``metadata.adaflash_no_log`` or ``x-adaflash-no-log``.
+
+        Either one set to a "yes" spelling opts out (sglang_adaflash.validation: true, 1, yes,
+        on, in any case); a value that is no documented spelling is a 400, not a silent "log it".
+        """
+        found = False
+        for value, param in (((self.metadata or {}).get("adaflash_no_log"), "metadata.adaflash_no_log"),
+                             (header, NO_LOG_HEADER)):
+            try:
+                found = parse_flag(value, param) or found
+            except ValueError as e:
+                raise bad_request(str(e), param) from None
+        return found
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

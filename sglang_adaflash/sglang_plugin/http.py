@@ -27,11 +27,13 @@ import tempfile
 from pathlib import Path
 
 from sglang_adaflash.serving import reload as rl
+from sglang_adaflash.validation import parse_flag, parse_json_body
 
 logger = logging.getLogger(__name__)
 
 ROUTE = "/adaflash/v1/drafter"
 ENV_ADMIN_TOKEN = "ADAFLASH_ADMIN_TOKEN"
+EXPECTED_BODY = 'expected a JSON body {"version": "v000001" | "latest" | null, "force": false}'
 
 
 def ensure_runtime_files(env=None) -> tuple[str, str]:
@@ -93,16 +95,12 @@ def add_routes(app, env=None, *, open_without_token: bool = False) -> None:
             logger.warning("adaflash admin: refused POST %s from %s: %s", ROUTE, who, denied[1])
             return JSONResponse({"error": denied[1]}, status_code=denied[0])
         try:
-            body = await request.json()
-        except ValueError:
-            body = None
+            body = parse_json_body(await request.body())
+        except ValueError as e:
+            return JSONResponse({"error": f"{e}; {EXPECTED_BODY}"}, status_code=400)
         if not isinstance(body, dict) or "version" not in body or \
                 not isinstance(body.get("force", False), bool):
-            return JSONResponse(
-                {"error": 'expected a JSON body {"version": "v000001" | "latest" | null, '
-                          '"force": false}'},
-                status_code=400,
-            )
+            return JSONResponse({"error": EXPECTED_BODY}, status_code=400)
         version, force = body["version"], body.get("force", False)
         try:
             result = rl.set_override(
@@ -127,9 +125,13 @@ def _before_launch_server(*args, **kwargs):
     return None
 
 
-#: A request with this header set to 1/true/yes leaves no traffic record (the same header as
-#: ``adaflash serve``'s; its ``metadata.adaflash_no_log`` has no counterpart here: SGLang's
-#: request logger sees the parsed request, not our metadata).
+#: A request with this header set to a "yes" spelling (sglang_adaflash.validation: true, 1, yes,
+#: on, in any case) leaves no traffic record (the same header and spellings as ``adaflash
+#: serve``'s; its ``metadata.adaflash_no_log`` has no counterpart here: SGLang's request logger
+#: sees the parsed request, not our metadata). SGLang has already accepted the request when the
+#: logger runs, so a value that is no documented spelling cannot be refused with a 400 as
+#: ``adaflash serve`` does: it keeps the request out of the log (the client asked for something
+#: about its privacy; logging it would be the silent choice) and is logged as a warning.
 NO_LOG_HEADER = "x-adaflash-no-log"
 #: SGLang 0.5.23's request-log entry points; each gets the client's HTTP request.
 REQUEST_LOG_METHODS = (
@@ -143,7 +145,11 @@ def opted_out(request) -> bool:
     headers = getattr(request, "headers", None)
     if headers is None:
         return False
-    return (headers.get(NO_LOG_HEADER) or "").strip().lower() in ("1", "true", "yes")
+    try:
+        return parse_flag(headers.get(NO_LOG_HEADER), f"the {NO_LOG_HEADER} header")
+    except ValueError as e:
+        logger.warning("adaflash: %s; the request is kept out of the traffic log", e)
+        return True
 
 
 def _skip_opted_out(original, *args, **kwargs):

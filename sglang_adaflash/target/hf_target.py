@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ..core.kv_cache import SlotKVCache
@@ -154,7 +155,13 @@ class HFTarget:
             raise TargetError(
                 f"{path}: model_type {cfg.model_type!r} is not supported; use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        except SafetensorError as e:  # transformers lets it through as is, traceback and all
+            shards = sorted(path.glob("*.safetensors"))
+            weights = shards[0] if len(shards) == 1 else f"a .safetensors file in {path}"
+            raise TargetError(f"{weights} cannot be read as safetensors ({' '.join(str(e).split())}); it "
+                              "is truncated or corrupt: copy the model directory again") from None
         return cls(model.to(device), path=str(path))
 
     # -- facts the compatibility check and the engine need ----------------------------------

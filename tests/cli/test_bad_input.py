@@ -93,7 +93,7 @@ def test_bad_prompt_argument_exits_2(tiny_pair, capsys, text, message):
     ("--top-p", "-0.1", "--top-p must lie in (0, 1]"),
     ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
     ("--max-new-tokens", "-5", "--max-new-tokens must be >= 1"),
-    ("--max-batch-size", "0", "--max-batch-size must be >= 1"),
+    ("--max-batch-size", "0", "--max-batch-size must be in 1..4096, got 0"),
     ("--seed", str(10**20), "--seed must be an integer in [0, 2**64)"),
 ])
 def test_bad_flags_exit_2_before_loading(tmp_path, capsys, flag, value, message):
@@ -143,7 +143,7 @@ def test_huge_max_batch_size_allocates_for_the_requests_present(tiny_pair, tmp_p
     monkeypatch.setattr(engine_mod.SpecEngine, "__init__", init)
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join([GOOD_A, GOOD_B, GOOD_A]))
-    rc, recs, _ = _generate(capsys, tiny_pair, "--prompts", path, "--max-batch-size", 1_000_000)
+    rc, recs, _ = _generate(capsys, tiny_pair, "--prompts", path, "--max-batch-size", 4096)
     assert rc == 0 and len(recs) == 3 and slots == [3]
 
 
@@ -155,3 +155,89 @@ def test_caches_that_cannot_fit_are_refused_clearly(tiny_pair, tmp_path, capsys,
     assert rc == 2 and recs == []
     assert "the KV caches for 40 concurrent request(s) of up to 2018 tokens need" in err
     assert "more than the 1.0 MiB free on cpu; lower --max-batch-size" in err and "Traceback" not in err
+
+
+# -- issue 43: the last tracebacks and silently wrong answers of `adaflash generate` --------------
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "1e-38", "5e-324", "0.000001"])
+def test_a_vanishing_temperature_decodes_greedily(tiny_pair, capsys, temperature):
+    """--temperature 1e-300 was a traceback (NaN probabilities); below 1e-5 it is greedy."""
+    args = ["--prompt", "hot or not", "--max-new-tokens", "6"]
+    rc, (rec,), err = _generate(capsys, tiny_pair, *args, "--temperature", temperature)
+    assert rc == 0 and "Traceback" not in err, err
+    _, (greedy,), _ = _generate(capsys, tiny_pair, *args, "--temperature", "0")
+    assert rec["output_ids"] == greedy["output_ids"]
+
+
+def test_a_vanishing_top_p_keeps_the_top_token(tiny_pair, capsys):
+    args = ["--prompt", "nucleus", "--max-new-tokens", "6"]
+    rc, (rec,), err = _generate(capsys, tiny_pair, *args, "--temperature", "1", "--top-p", "1e-300")
+    assert rc == 0 and "Traceback" not in err, err
+    _, (greedy,), _ = _generate(capsys, tiny_pair, *args, "--temperature", "0")
+    assert rec["output_ids"] == greedy["output_ids"]
+
+
+@pytest.mark.parametrize("bad_id, found", [('{"a": 1}', "object"), ("[1, 2]", "array"), ("true", "boolean"),
+                                           ("1.5", "number 1.5")])
+def test_an_id_that_is_not_a_string_or_an_integer_fails_its_line(tiny_pair, tmp_path, capsys, bad_id, found):
+    """An object id came out as its Python repr (`{'a': 1}`)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([GOOD_A, b'{"id": %s, "prompt": "fine text"}' % bad_id.encode(), GOOD_B,
+                                 b'{"id": 7, "prompt": "an integer id is fine"}']))
+    rc, recs, err = _generate(capsys, tiny_pair, "--prompts", path)
+    assert rc == 1 and "1 of 4 request(s) failed" in err
+    by_index = {r["index"]: r for r in recs}
+    assert by_index[1]["id"] == "2"  # the line's default id, not a repr
+    assert by_index[1]["error"] == f"{path}:2: 'id' must be a string or an integer, found {found}"
+    assert by_index[3]["id"] == "7" and by_index[3]["error"] is None
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_max_batch_size_past_the_limit_exits_2_before_loading(tmp_path, capsys, command):
+    argv = [command, "--target", str(tmp_path / "none"), "--max-batch-size", "100000000"]
+    rc = main(argv + (["--prompt", "x"] if command == "generate" else []))
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max-batch-size must be in 1..4096, got 100000000" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("keep", [0.5, 5])  # half the file; the first 5 bytes (not even a header)
+def test_a_truncated_target_is_one_line_not_a_traceback(tiny_pair, tmp_path, capsys, keep):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair.target_dir, target)
+    weights = target / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep) if keep < 1 else keep)
+    rc = main(["generate", "--target", str(target), "--prompt", "x", "--mode", "ar"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{weights} cannot be read as safetensors" in err and "is truncated or corrupt" in err
+
+
+def test_an_engine_failure_keeps_what_finished_and_fails_the_rest_in_records(tiny_pair, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A decode step that raises (no request to blame) was a traceback that lost the run."""
+    from sglang_adaflash.engine.engine import SpecEngine
+
+    real = SpecEngine._decode_step
+
+    def decode_step(self):
+        if any(len(s.output) >= 3 and s.req.request_id == "r1" for s in self.running):
+            raise RuntimeError("injected decode failure")
+        return real(self)
+
+    monkeypatch.setattr(SpecEngine, "_decode_step", decode_step)
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([b'{"id": "short", "prompt": "x", "max_new_tokens": 1}', GOOD_A, GOOD_B]))
+    rc, recs, err = _generate(capsys, tiny_pair, "--prompts", path, "--max-new-tokens", 8)
+    assert rc == 1 and "Traceback" not in err, err
+    assert "adaflash generate: the engine failed (RuntimeError: injected decode failure)" in err
+    by_id = {r["id"]: r for r in recs}
+    assert sorted(by_id) == ["a", "b", "short"]
+    assert by_id["short"]["error"] is None and len(by_id["short"]["output_ids"]) == 1
+    for rid in ("a", "b"):
+        assert by_id[rid]["finish_reason"] == "error"
+        assert "the engine failed (RuntimeError: injected decode failure) before this request finished" \
+            in by_id[rid]["error"]

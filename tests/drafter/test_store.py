@@ -198,3 +198,19 @@ def test_pin_writes_only_verified_versions(tmp_path):
     assert pin.read_text() == "v000001\n"
     write_pin(pin, home, None)
     assert not pin.exists()
+
+
+def test_a_directory_named_with_other_scripts_digits_is_not_a_version(tmp_path):
+    """`\\d` matched fullwidth digits, and int() read `v００００08` as version 8."""
+    home = tmp_path / "home"
+    v1 = _publish(home, 0)
+    (home / "drafters" / "v００００08").mkdir()
+    (home / "drafters" / "v000009\n").mkdir()
+    assert list_versions(home) == [v1]
+    assert _publish(home, 1) == "v000002"  # numbering ignores them too
+    for bad in ("v００００08", "v000009\n"):
+        with pytest.raises(CheckpointError, match="is not of the form v000001"):
+            verify_version(home, bad)
+    (home / "drafters" / LATEST_NAME).write_text("v００００08\n")
+    with pytest.raises(CheckpointError, match="is not a version"):
+        latest_version(home)

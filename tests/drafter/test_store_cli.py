@@ -92,3 +92,44 @@ def test_pin(pair, tmp_path, capsys, monkeypatch):
     assert run("pin", "--clear", "--home", str(home)) == 0
     assert not fleet.exists()
     assert run("pin", "--home", str(home)) == 2
+
+
+def test_pin_refuses_a_version_the_operator_blocked_unless_forced(pair, tmp_path, capsys, monkeypatch):
+    """The admin call honours the blocked-versions file (Rejected, RolledBack); `pin` did not."""
+    home = tmp_path / "home"
+    for _ in range(2):
+        assert run("publish", str(pair.drafter_dir), "--home", str(home), "--target",
+                   str(pair.target_dir)) == 0
+    fleet = tmp_path / "fleet" / "drafter-version"
+    blocked = tmp_path / "blocked-drafter-versions"
+    blocked.write_text("v000002 Rejected\n")
+    monkeypatch.setenv("ADAFLASH_FLEET_VERSION_FILE", str(fleet))
+    monkeypatch.setenv("ADAFLASH_BLOCKED_VERSIONS_FILE", str(blocked))
+    capsys.readouterr()
+    for version in ("v000002", "latest"):  # latest resolves to v000002 now
+        assert run("pin", version, "--home", str(home)) == 2
+        out = capsys.readouterr().out
+        assert "v000002 is Rejected" in out and "--force" in out and len(out.splitlines()) == 1
+        assert not fleet.exists()
+    assert run("pin", "v000001", "--home", str(home)) == 0
+    assert run("pin", "v000002", "--home", str(home), "--force") == 0
+    assert fleet.read_text() == "v000002\n"
+    assert "forced past v000002 Rejected" in capsys.readouterr().out
+    monkeypatch.delenv("ADAFLASH_BLOCKED_VERSIONS_FILE")
+    other = tmp_path / "other-blocked"
+    other.write_text("v000001 RolledBack\n")
+    assert run("pin", "v000001", "--home", str(home), "--blocked-file", str(other)) == 2
+
+
+@pytest.mark.parametrize("version", ["v００００01", "v000001\n", "5"])
+def test_pin_and_show_refuse_what_is_not_a_version_name(pair, tmp_path, capsys, monkeypatch, version):
+    home = tmp_path / "home"
+    assert run("publish", str(pair.drafter_dir), "--home", str(home), "--target", str(pair.target_dir)) == 0
+    (home / "drafters" / version).mkdir()
+    monkeypatch.setenv("ADAFLASH_FLEET_VERSION_FILE", str(tmp_path / "fleet"))
+    capsys.readouterr()
+    assert run("pin", version, "--home", str(home)) == 2
+    assert run("show", version, "--home", str(home)) == 2
+    out = capsys.readouterr().out
+    assert out.count("is not of the form v000001") == 2
+    assert not (tmp_path / "fleet").exists()

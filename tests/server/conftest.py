@@ -42,8 +42,6 @@ class LiveServer:
     """`adaflash serve ARGS` in a thread of this process; `url` is its base URL."""
 
     def __init__(self, args: list[str]):
-        import uvicorn
-
         from sglang_adaflash.server.cli import bind, build_server
 
         parsed = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", "0", *args])
@@ -51,8 +49,7 @@ class LiveServer:
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.server.app(), log_level="warning", timeout_graceful_shutdown=2)
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = self.server.uvicorn_server(log_level="warning", timeout_graceful_shutdown=2)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.sock]},
                                         name="test-uvicorn", daemon=True)
 
@@ -72,6 +69,11 @@ class LiveServer:
         self._uvicorn.should_exit = True
         self._thread.join(30)
         self.sock.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether uvicorn still serves (it stops by itself once the engine loop failed)."""
+        return self._thread.is_alive()
 
     def openai(self, **kw):
         import openai
@@ -121,3 +123,16 @@ def traffic_records(home: Path) -> list[dict]:
     for d in sorted((home / "traffic").iterdir()):
         out.extend(iter_records(d, include_partial=True))
     return out
+
+
+def inject_prefill_fault(engine, prompt_ids: list[int]) -> None:
+    """Make a live engine's first-token sampling raise whenever a request with exactly these
+    prompt ids is admitted: a fault the engine must blame on that request alone."""
+    real = engine._sample_rows
+
+    def sample_rows(logits, seqs):
+        if any(s.req.prompt_ids == prompt_ids for s in seqs):
+            raise RuntimeError("injected: probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, seqs)
+
+    engine._sample_rows = sample_rows

@@ -108,3 +108,66 @@ def test_drafter_loss_goes_down_on_a_fixed_toy_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_distill_kl_by_hand_and_its_weights():
+    """KL(p_teacher || p_drafter) per slot, weighted like the cross-entropy, by hand."""
+    from training_job.dflash_offline import distill_kl
+
+    w = position_weights(3, 7.0)  # [0, 1, exp(-1/7)]
+    labels = torch.tensor([[IGNORE, 1, 0]])
+    teacher = torch.log(torch.tensor([[[0.5, 0.5], [0.5, 0.5], [0.9, 0.1]]]))
+    student = torch.log(torch.tensor([[[0.1, 0.9], [0.25, 0.75], [0.9, 0.1]]]))
+    kl1 = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # slot 1; slot 2 agrees: 0
+    got = distill_kl(student, teacher, labels, w).item()
+    assert math.isclose(got, kl1 / (1 + math.exp(-1 / 7)), rel_tol=1e-5)
+    # slot 0 never counts (its weight is 0) however far apart the two are there
+    student[0, 0] = torch.log(torch.tensor([0.99, 0.01]))
+    assert math.isclose(distill_kl(student, teacher, labels, w).item(), got, rel_tol=1e-6)
+    # an IGNORE label drops its slot
+    labels[0, 2] = IGNORE
+    student[0, 2] = torch.log(torch.tensor([0.1, 0.9]))
+    assert math.isclose(distill_kl(student, teacher, labels, w).item(), kl1, rel_tol=1e-5)
+    # temperature: both softened, times T^2
+    t = 2.0
+    p = torch.softmax(teacher[0, 1] / t, -1)
+    q = torch.softmax(student[0, 1] / t, -1)
+    want = float((p * (p.log() - q.log())).sum()) * t * t
+    assert math.isclose(distill_kl(student, teacher, labels, w, t).item(), want, rel_tol=1e-5)
+
+
+def test_teacher_logits_read_the_position_before_each_slot():
+    """Slot k of a block at anchor a is labelled with token a+k, which the target predicts at
+    a+k-1: the teacher row must be the target's logits there (an off-by-one reads a+k)."""
+    from training_job.dflash_offline import block_teacher_logits
+
+    class Target:
+        lm_head = torch.nn.Identity()
+
+    states = torch.arange(2 * 8, dtype=torch.float32).view(2, 8, 1)  # state = seq * 8 + position
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    b = make_blocks(ids, [8, 8], [[2], [5]], 4, MASK)
+    got = block_teacher_logits(Target(), states, b)[..., 0]
+    assert got[0].tolist() == [1, 2, 3, 4]  # anchor 2: positions 1..4
+    assert got[1].tolist() == [12, 13, 14, 15]  # sequence 1, anchor 5: positions 4..7
+
+
+def test_loss_slots_keep_what_weighs_and_read_the_same_states():
+    from training_job.dflash_offline import loss_slots
+
+    assert loss_slots(16, 7.0) == 16  # the published weighting keeps the whole block
+    assert loss_slots(16, 2.0) == 11  # exp(-9/2) >= 0.01 > exp(-10/2)
+    assert loss_slots(4, 0.1) == 2  # never fewer than slot 0 and one proposal
+    torch.manual_seed(0)
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=6), MASK).eval()
+    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    ids = torch.randint(8, 64, (1, 16))
+    b = make_blocks(ids, [16], [[3, 8]], 6, MASK)
+    feats = torch.randn(1, 16, 64)
+    full = drafter_forward(d, feats, b)
+    lead = drafter_forward(d, feats, b, slots=4)
+    assert lead.shape == (2, 4, 32) and torch.allclose(lead, full[:, :4], atol=1e-6)

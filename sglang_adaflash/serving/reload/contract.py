@@ -3,12 +3,15 @@
 Environment variables, mount paths and pod annotations are read or written by processes that
 never import each other (the operator, Kubernetes, people following docs/contracts.md), so they
 live in one place, and tests/serving/test_operator_contract.py checks both sides spell them the
-same. Version names are checked here too: a name becomes a path under drafters/.
+same. Version names, which become paths under drafters/, are checked by
+sglang_adaflash.validation and re-exported here.
 """
 
 from __future__ import annotations
 
-from sglang_adaflash.drafter.store import VERSION_RE
+# Version names (``v000042``, ASCII digits only) are checked by sglang_adaflash.validation, the
+# one check the server, the plugin and the CLI share; re-exported here for the reload code.
+from sglang_adaflash.validation import is_version, version_number  # noqa: F401
 
 # Environment variables (documented in docs/sglang.md). The Kubernetes names are the operator's
 # contract (operator/adaflash_operator/contract.py); tests/serving/test_operator_contract.py
@@ -54,18 +57,3 @@ MAX_ERROR_CHARS = 1024
 
 class ReloadError(RuntimeError):
     """A reload that did not happen; the old weights are still being served."""
-
-
-def version_number(version: str) -> int:
-    """``v000042`` -> 42. Raises ValueError with the expected format otherwise."""
-    m = VERSION_RE.match(version)
-    if not m:
-        raise ValueError(
-            f"drafter version {version!r} is not of the form v000001 (a 'v' and at least six "
-            "digits, as published under drafters/ on the shared volume)"
-        )
-    return int(m.group(1))
-
-
-def is_version(text: str) -> bool:
-    return bool(VERSION_RE.match(text))

@@ -29,6 +29,9 @@ import os
 import sys
 from pathlib import Path
 
+#: What an import or the recipe publishes on an empty volume.
+FIRST_VERSION = "v000001"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training_job.bootstrap",
@@ -75,6 +78,11 @@ def run(args, extra: list[str]) -> tuple[int, dict | str]:
         return 1, (f"bootstrap: {Path(args.home) / 'drafters'} holds {', '.join(existing)} but "
                    f"not {args.version}, the version the pods wait for; set "
                    "spec.drafter.initialVersion to one of them, or empty the volume's drafters")
+    if args.version != FIRST_VERSION:
+        # Checked before any work: the import and the recipe publish a volume's first version.
+        return 1, (f"bootstrap: an empty volume's first version is {FIRST_VERSION}, and the "
+                   f"pods wait for {args.version}; set spec.drafter.initialVersion to "
+                   f"{FIRST_VERSION} (its default)")
     if args.import_dir:
         from sglang_adaflash.cli.drafters import add_parser, cmd_import
 

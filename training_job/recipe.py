@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -188,40 +187,19 @@ def read_regenerated(work: Path) -> dict[str, dict]:
 
 
 def regenerate(target, prompts: list[dict], work: Path, *, rank: int, world: int,
-               max_new_tokens: int, batch_size: int, stop_ids, pad_id: int,
-               progress: bool = False) -> None:
+               max_new_tokens: int, batch_size: int, stop_ids, progress: bool = False) -> None:
     """Greedy answers of this rank's share of ``prompts`` (every ``world``-th), appended to its
-    shard as each batch finishes; prompts answered already (by any rank) are skipped."""
-    import torch
-    from tqdm.auto import tqdm
+    shard as they come; prompts answered already (by any rank) are skipped. The offline
+    recipe's regeneration (:func:`training_job.dflash_offline.generate_greedy`: the reference
+    engine in mode ``ar``, continuous batching, on the target's device)."""
+    from training_job.dflash_offline import generate_greedy
 
     done = read_regenerated(work)
-    mine = [p for i, p in enumerate(prompts) if i % world == rank and p["id"] not in done]
-    mine.sort(key=lambda p: -len(p["prompt_ids"]))  # similar lengths share a batch
-    device = next(target.parameters()).device
-    stops = sorted(set(stop_ids))
-    bar = tqdm(total=len(mine), desc="regenerate", disable=not progress, dynamic_ncols=True)
-    with open(regen_path(work, rank), "a", encoding="utf-8") as f:
-        for i in range(0, len(mine), batch_size):
-            chunk = mine[i:i + batch_size]
-            width = max(len(p["prompt_ids"]) for p in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            att = torch.zeros_like(ids)
-            for j, p in enumerate(chunk):  # left padding
-                ids[j, width - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
-                att[j, width - len(p["prompt_ids"]):] = 1
-            with torch.no_grad():
-                gen = target.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                                      do_sample=False, max_new_tokens=max_new_tokens,
-                                      pad_token_id=pad_id, eos_token_id=stops or None)
-            for j, p in enumerate(chunk):
-                out = gen[j, width:].tolist()  # host sync: one per batch, to write it
-                cut = next((k + 1 for k, t in enumerate(out) if t in stop_ids), len(out))
-                f.write(json.dumps({**p, "output_ids": out[:cut]}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(chunk))
-    bar.close()
+    mine = [(p["id"], p["domain"], p["prompt_ids"]) for i, p in enumerate(prompts)
+            if i % world == rank and p["id"] not in done]
+    if mine:
+        generate_greedy(target, mine, regen_path(work, rank), max_new_tokens, set(stop_ids),
+                        batch_size, progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +360,7 @@ def train_first_drafter(args, par) -> dict:
     t0 = time.time()
     regenerate(target, prompts, work, rank=par.rank, world=par.world,
                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size,
-               stop_ids=stops, pad_id=pad, progress=not args.quiet and par.rank == 0)
+               stop_ids=stops, progress=not args.quiet and par.rank == 0)
     par.barrier()
     regen_s = time.time() - t0
     done = read_regenerated(work)

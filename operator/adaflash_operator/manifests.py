@@ -585,8 +585,12 @@ def rendezvous_service(job_: Manifest) -> Manifest:
     so every node's torchrun finds the first one. Owned by the Job: it goes when the Job does."""
     meta = job_["metadata"]
     jname, ns = meta["name"], meta["namespace"]
+    # No blockOwnerDeletion: where OwnerReferencesPermissionEnforcement is on, setting it needs
+    # update on jobs/finalizers, which the operator does not hold (and a Service left a moment
+    # after its Job in a foreground deletion costs nothing). The garbage collector still
+    # deletes the Service with the Job.
     owner = {"apiVersion": "batch/v1", "kind": "Job", "name": jname, "uid": meta["uid"],
-             "controller": True, "blockOwnerDeletion": True}
+             "controller": True}
     return {
         "apiVersion": "v1",
         "kind": "Service",

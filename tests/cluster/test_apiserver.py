@@ -568,7 +568,8 @@ def test_the_bootstrap_job_makes_the_first_drafter_before_the_pods_start(
                    timeout=60)
     assert job["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == [
         "--import", f"{c.HOME}/seed/dflash"]
-    assert status(api, ns)["bootstrap"]["phase"] == "Running"
+    wait_for("status.bootstrap Running", lambda: status(api, ns)["bootstrap"]["phase"] ==
+             "Running", timeout=60)  # patched at the end of the pass that created the Job
     pod = wait_for("the serving pod", lambda: (serving_pods(api, ns) or [None])[0], timeout=60)
     _init_waiting(api, ns, pod)
     wait_for("Ready=False Bootstrapping", lambda: condition(api, ns, "Ready").get(

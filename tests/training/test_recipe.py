@@ -126,6 +126,13 @@ def test_bootstrap_imports_trains_or_finds_the_first_version(pair, prompts, tmp_
     assert bootstrap.main([*base_args[:4], "--version", "v000002", "--report", str(report),
                            "--import", str(plain.drafter_dir)]) == 1
     assert "not v000002, the version the pods wait for" in report.read_text()
+    # on an empty volume too, before any import or training (both publish v000001)
+    home3 = tmp_path / "home3"
+    assert bootstrap.main(["--home", str(home3), "--target", str(pair.target_dir), "--report",
+                           str(report), "--version", "v000002", "--train", "--prompts",
+                           str(prompts)]) == 1
+    assert "first version is v000001, and the pods wait for v000002" in report.read_text()
+    assert not (home3 / "drafters").exists() and not (home3 / "bootstrap").exists()
 
 
 @pytest.mark.slow  # two torchrun workers and one plain run of the recipe: about a minute here

@@ -20,7 +20,7 @@ distributions (Hinton et al.); at T = 1 it is 1.
 ``norm="count"`` is this project's earlier choice: CE over the decayed-weight sum, the soft term
 over the *number* of valid slots (about 2.2x the weight sum for blocks of 16, gamma 7), so the
 soft term is smaller and its clip looser; ``t_squared=False`` drops the T^2 factor. Both are kept
-as options so the choice is measured (benchmarks/opd/ablation.md), not assumed.
+as options so the choice is measured (benchmarks/opd/README.md, "Ablation"), not assumed.
 
 The denominators are passed in per block row (``ce_norm``, ``kl_norm``: [N] or scalars) with the
 number of normalisation groups (``groups``: 1 for a batch-normalised step, the sequence count

@@ -9,7 +9,7 @@ By default the step is the AdaFlash reference's: every sequence is its own norma
 the same step on the drafter's detached block states (label tau/B, MSE, its own parameter group
 at ``head_lr``), one gradient-norm clip covers drafter and head, AdamW (0.9, 0.999) with weight
 decay 0.01. ``scope="batch"``, ``head="refit"``, ``adam_beta2=0.95``, ``weight_decay=0`` are
-this project's earlier choices, kept as options (benchmarks/opd/ablation.md measures them).
+this project's earlier choices, kept as options (benchmarks/opd/README.md, "Ablation").
 
 Determinism is what makes resume and data parallelism exact: the batches of a step are a function
 of (seed, epoch) and the anchors of a sequence a function of (seed, epoch, its index), never of

@@ -84,19 +84,21 @@ def test_the_floor_refuses_a_candidate_that_loses_a_domain(vol, tmp_path, monkey
 
 def test_a_resumed_round_does_not_reuse_a_decision_taken_under_other_gate_settings(
         vol, tmp_path, monkeypatch):
-    """A round evaluated without --require-gain dies before publishing; rerun with
-    --require-gain, it must decide under the new setting (the settings are in the resume
-    fingerprint), not publish on the cached pass."""
+    """A round evaluated without --require-gain dies before publishing, its candidate 5% better
+    on every prompt (the gate passed it); rerun with --require-gain 0.5, it must decide under
+    the new setting (the settings are in the resume fingerprint), not publish on the cached
+    pass."""
     pair, home = vol
-    _fake_engine(monkeypatch, lambda d, s: 2.0)  # a tie: no gain
+    _fake_engine(monkeypatch, lambda d, s: 2.0 if _is_parent(d, home) else 2.1)
     report = tmp_path / "report"
     real = round_mod.publish
     monkeypatch.setattr(round_mod, "publish", lambda *a, **k: (_ for _ in ()).throw(
         OSError("disk full")))
     assert distill.main(_argv(pair, home, report)) == 1
-    assert (home / "distill" / "work" / "eval.json").exists()
+    cached = json.loads((home / "distill" / "work" / "eval.json").read_text())
+    assert cached["manifest_eval"]["gate"]["passed"]
     monkeypatch.setattr(round_mod, "publish", real)
-    assert distill.main(_argv(pair, home, report, "--require-gain", "0")) == 1
+    assert distill.main(_argv(pair, home, report, "--require-gain", "0.5")) == 1
     assert "gate failed (NoGain)" in report.read_text()
     assert list_versions(home) == ["v000001"]
 

@@ -7,8 +7,12 @@ Built once per test module (conftest's ``base``); each test gets its own copy (`
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import socket
+import subprocess
+import sys
 
 import torch
 
@@ -73,3 +77,33 @@ def job_argv(pair, home, report, *extra):
             "--anchors-per-seq", "4", "--head-steps", "2", "--ckpt-every", "2",
             "--eval-max-new-tokens", "6", "--min-eval-records", "4", "--max-eval-records", "4",
             "--threads", "1", "--quiet", *extra]
+
+
+def job_launchers(ranks: int = 2) -> dict[str, list[str]]:
+    """The job as one process ("one") and under torchrun with ``ranks`` processes ("many")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"one": [sys.executable, "-m", "training_job.distill"],
+            "many": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                     str(ranks), "--master-port", str(port), "-m", "training_job.distill"]}
+
+
+def run_job(launcher: list[str], pair, home, report, *extra, env: dict | None = None):
+    """Run the job with ``launcher`` as a subprocess; (its report, v000002's weights)."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run(launcher + job_argv(pair, home, report, *extra), capture_output=True,
+                       text=True, timeout=900, env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return (json.loads(report.read_text()),
+            load_file(str(home / "drafters" / "v000002" / "model.safetensors")))
+
+
+def assert_same_round(a, b, tol: float) -> None:
+    """Two (report, weights) of the same round: same steps, loss and weights within ``tol``."""
+    (ra, wa), (rb, wb) = a, b
+    assert ra["training"]["steps"] == rb["training"]["steps"]
+    assert abs(ra["training"]["finalLoss"] - rb["training"]["finalLoss"]) < max(tol, 1e-4)
+    for k in wa:
+        assert (wa[k].double() - wb[k].double()).abs().max() < tol, k

@@ -52,6 +52,14 @@ def validate(raw: dict | None) -> dict:
             storage.get("accessMode") in ("ReadWriteOnce", "ReadWriteOncePod") and \
             isinstance(spec.get("replicas"), int) and spec["replicas"] > 1:
         problems.append(f"spec: {crds.SINGLE_NODE_RULE['message']}")
+    if isinstance(storage, dict) and not storage.get("existingClaim") and \
+            storage.get("accessMode") != "ReadWriteMany" and isinstance(dist, dict) and \
+            isinstance(dist.get("nodes"), int) and dist["nodes"] > 1:
+        problems.append(f"spec: {crds.MULTI_NODE_RULE['message']}")
+    boot = (spec.get("drafter") or {}).get("bootstrap")
+    if isinstance(boot, dict) and boot.get("source") == "Import" and not boot.get("path"):
+        problems.append("spec.drafter.bootstrap.path: Import needs the checkpoint's directory "
+                        "on the claim")
     if problems:
         raise InvalidSpec("; ".join(problems) + ". Fix the AdaFlashService spec (see "
                           "docs/operator.md for every field).")
@@ -88,10 +96,18 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    source: str  # Import | Train
+    path: str  # relative to the claim's root; "" (Train): the volume's traffic
+    extra_args: list[str]
+
+
+@dataclass(frozen=True)
 class Distillation:
     enabled: bool
     image: str
     gpus: int
+    nodes: int
     resources: dict
     min_new_records: int
     interval_seconds: int
@@ -130,6 +146,7 @@ class ServiceSpec:
     delete_storage_with_service: bool
     initial_version: str
     pinned_version: str
+    bootstrap: Bootstrap | None
     distillation: Distillation
     rollout: Rollout
     retention: Retention
@@ -167,10 +184,15 @@ def parse(raw: dict | None) -> ServiceSpec:
         delete_storage_with_service=st["deleteWithService"],
         initial_version=dr["initialVersion"],
         pinned_version=dr.get("pinnedVersion", ""),
+        bootstrap=Bootstrap(source=dr["bootstrap"]["source"],
+                            path=dr["bootstrap"].get("path", ""),
+                            extra_args=list(dr["bootstrap"].get("extraArgs", [])))
+        if dr.get("bootstrap") else None,
         distillation=Distillation(
             enabled=di["enabled"],
             image=di.get("image") or sv["image"],
             gpus=di["gpus"],
+            nodes=di["nodes"],
             resources=dict(di.get("resources", {})),
             min_new_records=di["minNewRecords"],
             interval_seconds=di["intervalSeconds"],

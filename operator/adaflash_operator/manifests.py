@@ -5,6 +5,9 @@ Names, for an AdaFlashService `NAME`:
     NAME-drafter       ConfigMap with the fleet's drafter version and the blocked versions
     NAME-admin         Secret with the bearer token of the serving pods' admin endpoint
     NAME-serving       ServiceAccount, Role and RoleBinding of the serving pods
+    NAME-jobs          ServiceAccount of the Jobs and the CronJob (no permissions, no token)
+    NAME               PodDisruptionBudget, NetworkPolicy (policies.py), HPA or ScaledObject
+                       (autoscaling.py)
     NAME               Deployment and Service
     NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars)
     NAME-retention     CronJob that prunes old traffic and drafter versions
@@ -22,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import contract as c
+from . import placement
 from .spec import ServiceSpec
 
 Manifest = dict[str, Any]
@@ -197,6 +201,19 @@ def service_account(owner: Manifest) -> Manifest:
     }
 
 
+def jobs_service_account(owner: Manifest) -> Manifest:
+    """The Jobs' and the CronJob's account: no RBAC binding and no token (they never call the
+    API), so that they do not run as the namespace's `default` account, which others may have
+    granted rights to."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(placement.jobs_account_name(name), ns, "distill", owner),
+        "automountServiceAccountToken": False,
+    }
+
+
 def role(owner: Manifest) -> Manifest:
     """Serving pods annotate themselves (loaded version, tau, errors, traffic count).
 
@@ -302,6 +319,15 @@ def _probe(path_: str, **kw: int) -> Manifest:
     return {"httpGet": {"path": path_, "port": "http"}, **kw}
 
 
+def _pre_stop(seconds: int) -> Manifest:
+    """A terminating pod keeps serving for `seconds` before SIGTERM: the endpoints controllers
+    and proxies need that long to stop routing new requests to it. SGLang then drains (it
+    answers 503 to its probes and finishes what it is generating)."""
+    if not seconds:
+        return {}
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", f"sleep {seconds}"]}}}}
+
+
 def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     pod_labels = {**labels(name, "serving"), **selector(name)}
@@ -321,6 +347,7 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
         "livenessProbe": _probe(LIVENESS_PROBE_PATH, periodSeconds=30,
                                 timeoutSeconds=LIVENESS_TIMEOUT_S, failureThreshold=3),
         "securityContext": CONTAINER_SECURITY,
+        **_pre_stop(spec.pre_stop_seconds),
         "volumeMounts": [
             {"name": "home", "mountPath": c.HOME},
             {"name": "fleet", "mountPath": f"{c.CONTROL_DIR}/fleet", "readOnly": True},
@@ -343,10 +370,9 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = list(spec.tolerations)
+    pod_spec.update(placement.serving_pod(spec, selector(name)))
+    # Shutdown: the preStop wait, then SGLang's own SIGTERM drain of the generations in flight.
+    pod_spec["terminationGracePeriodSeconds"] = spec.pre_stop_seconds + spec.drain_seconds
     if spec.strategy_type == "Recreate":
         strategy: Manifest = {"type": "Recreate"}
     else:  # no surge by default: a surge pod needs a spare GPU node
@@ -392,7 +418,8 @@ def distill_args(spec: ServiceSpec, parent: str) -> list[str]:
     ] + list(spec.distillation.extra_args)
 
 
-def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str) -> Manifest:
+def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str,
+        claim_modes: list[str] | None = None) -> Manifest:
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     jname = job_name(name, round_, attempt)
     d = spec.distillation
@@ -427,13 +454,10 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
     }
-    # Placement: the job's own, else the serving pods' (the GPU nodes they are allowed on).
-    node_selector = d.node_selector or spec.node_selector
-    tolerations = d.tolerations or spec.tolerations
-    if node_selector:
-        pod_spec["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        pod_spec["tolerations"] = list(tolerations)
+    # Placement: the job's own, else the serving pods' (the GPU nodes they are allowed on); on
+    # the serving pod's node when the claim is single-node.
+    modes = placement.spec_claim_modes(spec) if claim_modes is None else claim_modes
+    pod_spec.update(placement.job_pod(spec, selector(name), modes, name))
     meta = _meta(jname, ns, "distill", owner)
     meta["labels"][c.LABEL_ROUND] = str(round_)
     return {
@@ -465,7 +489,8 @@ def drafter_version(owner: Manifest, report: Manifest, job_name_: str) -> Manife
     }
 
 
-def retention_cronjob(owner: Manifest, spec: ServiceSpec) -> Manifest:
+def retention_cronjob(owner: Manifest, spec: ServiceSpec,
+                      claim_modes: list[str] | None = None) -> Manifest:
     """A daily Job that prunes the shared volume (python -m adaflash_operator.retention):
     traffic older than retention.trafficDays, and drafter versions beyond the newest
     retention.keepVersions, never the fleet's, the pinned or the initial one, nor `latest`."""
@@ -500,10 +525,8 @@ def retention_cronjob(owner: Manifest, spec: ServiceSpec) -> Manifest:
         ],
     }
     # On the serving pods' nodes: a ReadWriteOnce volume is only there.
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = list(spec.tolerations)
+    modes = placement.spec_claim_modes(spec) if claim_modes is None else claim_modes
+    pod_spec.update(placement.retention_pod(spec, selector(name), modes, name))
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",

@@ -291,10 +291,6 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "extraArgs": _list("Extra arguments for training_job.distill.", {"type": "string"}),
         "nodeSelector": _map("Node selector.", {"type": "string"}),
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
-        "serviceAccountName": _str("ServiceAccount of the Jobs and the retention CronJob. "
-                                   "Default: <name>-jobs, made by the operator, with no "
-                                   "permissions and no token mounted.",
-                                   pattern=DNS_NAME_PATTERN),
         "imagePullSecrets": {**_PULL_SECRETS, "description": "Image pull Secrets of the Jobs. "
                              "Default: serving.imagePullSecrets."},
         "affinity": _free("Affinity of the Jobs (core/v1 Affinity). Default: serving.affinity."),

@@ -39,8 +39,14 @@ DISTILL_FAILURES = Gauge("adaflash_operator_distill_consecutive_failures",
                          ["namespace", "service"])
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int) -> None:
-    start_http_server(port)
+    """Serve /metrics on `port` (once per process, whoever asks first)."""
+    if port not in _serving:
+        start_http_server(port)
+        _serving.add(port)
 
 
 def set_serving(namespace: str, service: str, version: str) -> None:

@@ -100,7 +100,7 @@ def job_pod(spec: ServiceSpec, serving_selector: dict[str, str], claim_modes: li
     out = _common(d.node_selector or spec.node_selector, d.tolerations or spec.tolerations,
                   merge_affinity(d.affinity, colocate), d.priority_class,
                   d.image_pull_secrets)
-    out["serviceAccountName"] = d.service_account or jobs_account_name(name)
+    out["serviceAccountName"] = jobs_account_name(name)
     return out
 
 
@@ -111,5 +111,5 @@ def retention_pod(spec: ServiceSpec, serving_selector: dict[str, str], claim_mod
     colocate = serving_selector if needs_colocation(spec, claim_modes) else None
     out = _common(spec.node_selector, spec.tolerations, merge_affinity(spec.affinity, colocate),
                   spec.distillation.priority_class, spec.image_pull_secrets)
-    out["serviceAccountName"] = spec.distillation.service_account or jobs_account_name(name)
+    out["serviceAccountName"] = jobs_account_name(name)
     return out

@@ -156,8 +156,7 @@ class Distillation:
     extra_args: list[str]
     node_selector: dict
     tolerations: list
-    # Empty: the operator's <name>-jobs account. The rest default to the serving pods'.
-    service_account: str = ""
+    # Default to the serving pods'.
     image_pull_secrets: list = field(default_factory=list)
     affinity: dict = field(default_factory=dict)
     priority_class: str = ""
@@ -252,7 +251,6 @@ def parse(raw: dict | None) -> ServiceSpec:
             extra_args=list(di.get("extraArgs", [])),
             node_selector=dict(di.get("nodeSelector", {})),
             tolerations=list(di.get("tolerations", [])),
-            service_account=di.get("serviceAccountName", ""),
             image_pull_secrets=list(di.get("imagePullSecrets", sv.get("imagePullSecrets", []))),
             affinity=dict(di.get("affinity", sv.get("affinity", {}))),
             priority_class=di.get("priorityClassName", ""),

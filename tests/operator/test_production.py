@@ -80,9 +80,6 @@ def test_jobs_and_cronjob_run_as_their_own_account_with_the_serving_placement() 
         assert pod["affinity"] == PLACED["affinity"]  # ReadWriteMany: no co-location
     sa = manifests.jobs_service_account(OWNER)
     assert sa["metadata"]["name"] == "qwen-jobs" and sa["automountServiceAccountToken"] is False
-    s = parse({**MIN, "distillation": {"serviceAccountName": "model-reader"}})
-    assert manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"][
-        "serviceAccountName"] == "model-reader"
 
 
 @pytest.mark.parametrize("mode", ["ReadWriteOnce"])

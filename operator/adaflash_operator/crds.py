@@ -341,6 +341,8 @@ _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "startedAt": _str("When the canary started.", format="date-time"),
     "loadedAt": _str("When every canary pod had loaded the candidate.", format="date-time"),
     "baselineTau": _num("Fleet live tau when the canary started.", minimum=0),
+    "replacedPods": _int("Canary pods that went away (eviction, drain, rolling update) and "
+                         "were replaced during this rollout."),
     "reason": _str("Reason of the last transition."),
     "message": _str("Detail of the last transition."),
 })

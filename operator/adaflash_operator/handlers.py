@@ -169,14 +169,12 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
                               now, gen)
     elif s.replicas == 0:
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
-    elif ready >= s.replicas:
-        conds = set_condition(conds, "Ready", True, "AllPodsReady",
-                              f"{ready}/{s.replicas} serving pods ready", now, gen)
-    else:
+    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for
         why = children.serving_trouble(res.deployment, pods)
-        conds = set_condition(conds, "Ready", False, "PodsNotReady",
-                              f"{ready}/{s.replicas} serving pods ready" +
-                              (f" ({why})" if why else ""), now, gen)
+        msg = f"{ready}/{s.replicas} serving pods ready" + (f" ({why})" if why else "")
+        conds = set_condition(conds, "Ready", ready >= s.replicas,
+                              "AllPodsReady" if ready >= s.replicas else "PodsNotReady", msg,
+                              now, gen)
     conds = _child_condition(body, conds, res.problems, now, gen)
     patch.status["conditions"] = conds
     metrics.set_serving(ns, name, fleet)

@@ -66,14 +66,17 @@ SPEC_RULES = [
      "message": "distillation.maxBackoffSeconds must be >= distillation.backoffSeconds"},
 ]
 # Deployment rules (apps/v1 validation) on serving.updateStrategy.
+# (The API server also checks them on the object's `{}` default, before nested defaults.)
 ROLLING_RULES = [
-    {"rule": "type(self.maxSurge) == int ? self.maxSurge >= 0 : "
-             "string(self.maxSurge).matches('^[0-9]+%$')",
+    {"rule": "!has(self.maxSurge) || (type(self.maxSurge) == int ? self.maxSurge >= 0 : "
+             "string(self.maxSurge).matches('^[0-9]+%$'))",
      "message": "maxSurge must be a non-negative integer or a percentage such as '25%'"},
-    {"rule": "type(self.maxUnavailable) == int ? self.maxUnavailable >= 0 : "
-             "string(self.maxUnavailable).matches('^0*([0-9]{1,2}|100)%$')",
+    {"rule": "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? "
+             "self.maxUnavailable >= 0 : "
+             "string(self.maxUnavailable).matches('^0*([0-9]{1,2}|100)%$'))",
      "message": "maxUnavailable must be a non-negative integer or a percentage up to '100%'"},
-    {"rule": "self.type != 'RollingUpdate' || !(string(self.maxSurge).matches('^0+%?$') && "
+    {"rule": "!has(self.type) || !has(self.maxSurge) || !has(self.maxUnavailable) || "
+             "self.type != 'RollingUpdate' || !(string(self.maxSurge).matches('^0+%?$') && "
              "string(self.maxUnavailable).matches('^0+%?$'))",
      "message": "maxSurge and maxUnavailable may not both be 0: no pod could ever be replaced "
                 "(the Deployment API refuses it)"},
@@ -84,17 +87,15 @@ SIZE_RULES = [{"rule": "quantity(self).compareTo(quantity(oldSelf)) >= 0",
                "message": "storage.size cannot shrink: a claim only grows (lower it by moving "
                           "to a new claim)"}]
 # Requests at most the limits, every value a quantity (the pod API refuses the rest).
+# (Each value is checked to be a quantity where it is declared: crds._QUANTITY.)
 RESOURCE_RULES = [
-    {"rule": "!has(self.requests) || self.requests.all(k, isQuantity(string(self.requests[k])))",
-     "message": "every request must be a quantity, e.g. 8, 500m, 64Gi"},
-    {"rule": "!has(self.limits) || self.limits.all(k, isQuantity(string(self.limits[k])))",
-     "message": "every limit must be a quantity, e.g. 8, 500m, 64Gi"},
     {"rule": "!has(self.requests) || !has(self.limits) || self.requests.all(k, "
              "!(k in self.limits) || !isQuantity(string(self.requests[k])) || "
              "!isQuantity(string(self.limits[k])) || quantity(string(self.requests[k]))"
              ".compareTo(quantity(string(self.limits[k]))) <= 0)",
      "message": "a request may not exceed its limit (the pod API refuses it)"},
 ]
+QUANTITY_MESSAGE = "must be a quantity, e.g. 8, 500m, 64Gi"
 CRON_PATTERN = (r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|"
                 r"[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+)$")
 DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -188,10 +189,14 @@ _CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and Dist
     required=["type", "status"],
 ))
 
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+# maxLength and maxProperties bound the estimated cost of the CEL rules that read them.
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "maxLength": 32,
+             "x-kubernetes-validations": [{"rule": "isQuantity(string(self))",
+                                           "message": QUANTITY_MESSAGE}]}
 _RESOURCES = _obj("CPU and memory requests and limits (a core/v1 ResourceRequirements subset).", {
-    "requests": {**_map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY), "maxProperties": 16},
-    "limits": {**_map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY), "maxProperties": 16},
+    "requests": {**_map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY), "maxProperties": 8},
+    "limits": {**_map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY), "maxProperties": 8},
 })
 _RESOURCES["x-kubernetes-validations"] = RESOURCE_RULES
 _NAME = {"type": "string", "pattern": DNS_NAME_PATTERN, "maxLength": 253}

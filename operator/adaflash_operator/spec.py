@@ -64,12 +64,11 @@ def _resource_problems(where: str, res: dict) -> list[str]:
             try:
                 parsed.setdefault(part, {})[k] = quantity.parse(v)
             except ValueError:
-                rule = crds.RESOURCE_RULES[0 if part == "requests" else 1]
-                out.append(f"{where}.{part}.{k}: {rule['message']}")
+                out.append(f"{where}.{part}.{k}: {crds.QUANTITY_MESSAGE}")
     for k, req in (parsed.get("requests") or {}).items():
         lim = (parsed.get("limits") or {}).get(k)
         if lim is not None and req > lim:
-            out.append(f"{where}: {k}: {crds.RESOURCE_RULES[2]['message']}")
+            out.append(f"{where}: {k}: {crds.RESOURCE_RULES[0]['message']}")
     return out
 
 

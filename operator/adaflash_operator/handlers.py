@@ -236,20 +236,35 @@ class _StatusPatch:
 
 async def save_status(body: dict, status: dict) -> bool:
     """Merge `status` into the object's status if the object is still at the resourceVersion it
-    was computed from; False on a conflict (another writer came first: read again)."""
+    was computed from; False on a conflict (another writer came first: read again).
+
+    A write that changed neither the spec (generation) nor the status, such as kopf recording
+    in an annotation that its handler is done, is no conflict for this pass: the patch is sent
+    again at the new resourceVersion. Otherwise a pass that already acted (annotated a canary
+    pod) would lose its record of it to an unrelated annotation."""
     meta = body["metadata"]
     if not status or is_subset(status, body.get("status") or {}):
         return True
-    try:
-        await kube.patch(c.SERVICE_KIND, meta["namespace"], meta["name"],
-                         {"metadata": {"resourceVersion": meta.get("resourceVersion")},
-                          "status": status}, sub="status")
-    except kube.ApiError as e:
-        if e.status == 409:
+    rv = meta.get("resourceVersion")
+    for _attempt in range(3):
+        try:
+            await kube.patch(c.SERVICE_KIND, meta["namespace"], meta["name"],
+                             {"metadata": {"resourceVersion": rv}, "status": status},
+                             sub="status")
+            return True
+        except kube.ApiError as e:
+            if e.status == 404:
+                return True
+            if e.status != 409:
+                raise
+        now = await kube.get(c.SERVICE_KIND, meta["namespace"], meta["name"])
+        if now is None:
+            return True
+        if (now["metadata"].get("generation") != meta.get("generation")
+                or (now.get("status") or {}) != (body.get("status") or {})):
             return False
-        if e.status != 404:
-            raise
-    return True
+        rv = now["metadata"].get("resourceVersion")
+    return False
 
 
 async def pass_once(namespace: str, name: str, logger: logging.Logger, *,

@@ -129,7 +129,8 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     now = _ts(_now())
     gen = body["metadata"].get("generation")
     conds = list(status.get("conditions") or [])
-    keda = s.autoscaling is not None and await kube.has_api(autoscaling.KEDA_API)
+    # Asked with autoscaling off too: a ScaledObject left from when it was on must go.
+    keda = await kube.has_api(autoscaling.KEDA_API)
     res = await children.reconcile(owner, s, secret_recheck_s=SECRET_RECHECK_S,
                                    keda_served=keda)
     patch.problems, patch.claim_modes = res.problems, res.claim_modes

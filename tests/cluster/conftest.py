@@ -5,6 +5,7 @@ the operator as a real process with the chart's ServiceAccount token (either wit
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import controlplane as cp  # noqa: E402
 from controlplane import OPERATOR_SA, RELEASE, RELEASE_NS  # noqa: E402
+from helpers import node_prefix  # noqa: E402
 
 SERVICE_KIND = "AdaFlashService"
 
@@ -31,7 +33,7 @@ TICK = "0.5"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # The chart's operator in the tests: short Lease timings, and ports of its own.
-LEASE = {"leaseDurationSeconds": "4", "renewDeadlineSeconds": "3", "retryPeriodSeconds": "0.5"}
+LEASE = {"leaseDurationSeconds": 4, "renewDeadlineSeconds": 3, "retryPeriodSeconds": 0.5}
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +81,17 @@ def helm(plane: cp.ControlPlane, *args: str) -> subprocess.CompletedProcess:
 
 
 def install(plane: cp.ControlPlane, release: str, namespace: str,
-            *values: str) -> subprocess.CompletedProcess:
-    """`helm install` of helm/adaflash, the operator's ports and Lease timings set for tests."""
-    sets = [f"operator.metricsPort={cp.free_port()}", f"operator.healthPort={cp.free_port()}",
-            *(f"operator.leaderElection.{k}={v}" for k, v in LEASE.items()), *values]
+            **values: Any) -> subprocess.CompletedProcess:
+    """`helm install` of helm/adaflash, the operator's ports, tick and Lease timings set for
+    tests; `values` are dotted keys (`operator__watchNamespaces` for operator.watchNamespaces)
+    with their values, passed as JSON."""
+    sets = {"operator.metricsPort": cp.free_port(), "operator.healthPort": cp.free_port(),
+            "operator.tickSeconds": float(TICK),
+            **{f"operator.leaderElection.{k}": v for k, v in LEASE.items()},
+            **{k.replace("__", "."): v for k, v in values.items()}}
     r = helm(plane, "install", release, str(ROOT / "helm" / "adaflash"), "--namespace",
-             namespace, "--create-namespace", *[x for v in sets for x in ("--set", v)])
+             namespace, "--create-namespace",
+             *[x for k, v in sets.items() for x in ("--set-json", f"{k}={json.dumps(v)}")])
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -93,7 +100,7 @@ def install(plane: cp.ControlPlane, release: str, namespace: str,
 def chart(control_plane: cp.ControlPlane) -> subprocess.CompletedProcess:
     """`helm install` of helm/adaflash (CRDs, RBAC, admission policies, operator Deployment),
     with its defaults: every namespace watched (a ClusterRole)."""
-    r = install(control_plane, RELEASE, RELEASE_NS, f"operator.tickSeconds={TICK}")
+    r = install(control_plane, RELEASE, RELEASE_NS)
     api = control_plane.api
     for crd in ("adaflashservices.adaflash.io", "drafterversions.adaflash.io"):
         _wait(f"CRD {crd} established", lambda c=crd: any(
@@ -104,7 +111,25 @@ def chart(control_plane: cp.ControlPlane) -> subprocess.CompletedProcess:
     # The API group is served once discovery has it.
     _wait("the adaflash.io API", lambda: _ok(lambda: api.request(
         "GET", "/apis/adaflash.io/v1alpha1")), timeout=60)
+    guard_in_force(api, RELEASE_NS, OPERATOR_SA)
     return r
+
+
+def guard_in_force(api: cp.Api, namespace: str, account: str) -> None:
+    """Admission policies take effect a moment after they are created: wait until the
+    operatorGuard refuses the release's operator a dry-run write it does not manage."""
+    op = api.as_token(api.request_token(namespace, account))
+
+    def refused() -> bool:
+        try:
+            op.request("POST", "/api/v1/namespaces/default/configmaps?dryRun=All", {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "probe", "namespace": "default"}})
+        except cp.ApiError as e:
+            return "operator-writes" in e.message
+        return False
+
+    _wait("the operatorGuard policy in force", refused, timeout=60)
 
 
 def _ok(fn: Callable[[], Any]) -> bool:
@@ -156,7 +181,7 @@ def gpu_pool(control_plane: cp.ControlPlane, namespace: str) -> Iterator[Callabl
 
     def make(nodes: int, gpus: int) -> dict:
         for _ in range(nodes):
-            name = f"{namespace[-20:]}-gpu-{len(made)}"
+            name = f"{node_prefix(namespace)}-gpu-{len(made)}"
             control_plane.add_node(name, gpus=gpus, labels={"pool": namespace},
                                    taints=[{"key": "pool", "value": namespace,
                                             "effect": "NoSchedule"}])

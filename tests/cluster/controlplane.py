@@ -6,7 +6,8 @@ What it has: the API server with RBAC, the default admission plugins plus
 OwnerReferencesPermissionEnforcement, ValidatingAdmissionPolicy, an audit log, service-account
 token signing; the controller-manager's garbage collector, Deployment, ReplicaSet, Job,
 CronJob, ServiceAccount, namespace, PersistentVolume binder, disruption (PodDisruptionBudget),
-HorizontalPodAutoscaler and ResourceQuota controllers; the real scheduler; and kwok as the kubelet of the
+HorizontalPodAutoscaler and ResourceQuota controllers, and the one that type-checks admission
+policies (their status); the real scheduler; and kwok as the kubelet of the
 nodes the tests create (`ControlPlane.add_node`: GPU capacity, labels, taints). kwok starts a
 scheduled pod Running and Ready and removes a deleted one (kwok-stages.yaml); it runs no
 containers, so what a container would do (exit with a report, answer a probe, resolve its
@@ -41,9 +42,13 @@ RELEASE, RELEASE_NS = "adaflash", "adaflash-system"  # the chart's release in th
 OPERATOR_SA = "adaflash"  # the chart's ServiceAccount for release `adaflash`
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 ADMIN_TOKEN = "adaflash-test-admin"
-CONTROLLERS = ("garbagecollector,deployment,replicaset,job,cronjob,serviceaccount,namespace,"
-               "root-ca-cert-publisher,pvc-protection,ttl-after-finished,"
-               "persistentvolume-binder,disruption,horizontalpodautoscaling,resourcequota")
+# (Their names as `kube-controller-manager --help` lists them; the older short names are
+# aliases.)
+CONTROLLERS = ",".join(f"{c}-controller" for c in (
+    "garbage-collector", "deployment", "replicaset", "job", "cronjob", "serviceaccount",
+    "namespace", "root-ca-certificate-publisher", "persistentvolumeclaim-protection",
+    "ttl-after-finished", "persistentvolume-binder", "disruption", "horizontal-pod-autoscaler",
+    "resourcequota", "validatingadmissionpolicy-status"))
 KWOK_LABEL = ("type", "kwok")  # the nodes kwok plays the kubelet of
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
@@ -169,6 +174,10 @@ class ControlPlane:
             "--token-auth-file", str(self.dir / "tokens.csv"),
             "--authorization-mode", "RBAC",
             "--enable-admission-plugins", "OwnerReferencesPermissionEnforcement",
+            # It taints a new node not-ready until the node-lifecycle controller sees it Ready;
+            # that controller, which also evicts pods from nodes without heartbeats, is not
+            # run here (kwok marks its nodes Ready once and sends no heartbeats).
+            "--disable-admission-plugins", "TaintNodesByCondition",
             "--service-account-issuer", self.server,
             "--service-account-key-file", str(pki / "sa.pub"),
             "--service-account-signing-key-file", str(pki / "sa.key"),

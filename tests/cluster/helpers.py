@@ -60,6 +60,12 @@ def serving_pods(api: Api, ns: str, name: str = "qwen") -> list[dict]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
+def node_prefix(ns: str) -> str:
+    """A test's node names start with this: the namespace's unique tail, a valid DNS label
+    start (not a '-')."""
+    return ns[-20:].lstrip("-")
+
+
 def ready(pod: dict) -> bool:
     return any(x["type"] == "Ready" and x["status"] == "True"
                for x in (pod.get("status") or {}).get("conditions") or [])

@@ -50,7 +50,8 @@ def test_an_evicted_canary_is_replaced_under_the_pdb(chart, api: Api, namespace:
     second eviction while the replacement is not ready yet is refused by the budget."""
     ns = namespace
     operator_process()
-    api.create(afs(ns, replicas=3, rollout={"canaryFraction": 0.34, "bakeSeconds": 2}))
+    # One canary of three pods: ceil(0.3 * 3) = 1.
+    api.create(afs(ns, replicas=3, rollout={"canaryFraction": 0.3, "bakeSeconds": 2}))
     pods = start_serving_pods(api, ns, 3)
     pdb = wait_for("the PodDisruptionBudget's status", lambda: (
         x := api.get("PodDisruptionBudget", ns, "qwen") or {}).get("status", {}).get(

@@ -157,8 +157,7 @@ def test_watch_namespaces_mode(chart, control_plane, api: Api, namespace: str,
     release, release_ns = "adaflash-ns", new_namespace(api, "ns-mode", prefix="op-")
     other = new_namespace(api, "elsewhere")
     try:
-        install(control_plane, release, release_ns, f"operator.watchNamespaces={{{ns}}}",
-                "operator.tickSeconds=0.5")
+        install(control_plane, release, release_ns, operator__watchNamespaces=[ns])
         assert api.request("GET", "/apis/rbac.authorization.k8s.io/v1/namespaces/"
                            f"{ns}/roles/{release}")
         with pytest.raises(ApiError):

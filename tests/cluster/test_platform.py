@@ -5,6 +5,7 @@ assumed); the NetworkPolicy of the serving port; the documented CRD upgrade step
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -31,15 +32,25 @@ def test_kubectl_get_afs_shows_the_ready_condition(chart, api: Api, namespace: s
     start_serving_pods(api, ns, 1)
     wait_for("Ready", lambda: condition(api, ns, "Ready").get("status") == "True", timeout=60)
     out = _kubectl(control_plane, "-n", ns, "get", "afs", "-o", "wide").stdout
-    head, row = out.splitlines()[:2]
-    cols = dict(zip(head.split(), row.split()))
+    cols = _columns(out)
     assert cols["READY"] == "True" and cols["PODS"] == "1" and cols["REASON"] == "AllPodsReady"
-    assert cols["SERVING"] == "v000001", out
-    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 3}})
+    assert cols["SERVING"] == "v000001" and cols["CANDIDATE"] == "", out
+    # Pods no node can take (kwok would start any pod that fits): Ready stays False.
+    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 3, "serving": {
+        "resources": {"requests": {"cpu": "1000"}}}}})
     wait_for("Ready False", lambda: condition(api, ns, "Ready").get("status") == "False",
              timeout=30)
-    out = _kubectl(control_plane, "-n", ns, "get", "afs").stdout
-    assert dict(zip(*(x.split() for x in out.splitlines()[:2])))["READY"] in ("False",)
+    cols = _columns(_kubectl(control_plane, "-n", ns, "get", "afs", "-o", "wide").stdout)
+    assert (cols["READY"], cols["REASON"], cols["REPLICAS"]) == ("False", "PodsNotReady", "3")
+
+
+def _columns(out: str) -> dict[str, str]:
+    """kubectl's table, first row, by column: each value starts where its heading does (an
+    empty cell is blank, so splitting on spaces would shift the columns after it)."""
+    head, row = out.splitlines()[:2]
+    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+", head)]
+    ends = [s for s, _ in starts[1:]] + [None]
+    return {name: row[s:e].strip() for (s, name), e in zip(starts, ends)}
 
 
 def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_plane,
@@ -53,14 +64,19 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
     api.create(afs(ns, replicas=1, autoscaling={"enabled": True, "minReplicas": 1,
                                                 "maxReplicas": 3, "targetQueueDepth": 4}))
     start_serving_pods(api, ns, 1)
-    hpa = wait_for("the HPA acting on the AdaFlashService", lambda: (
-        x := api.get("HorizontalPodAutoscaler", ns, "qwen") or {}).get("status", {}).get(
-        "conditions") and x, timeout=90)
+    # (The controller-manager looks every 15 s; its first look may come before the operator
+    # has written status.selector, the scale's label selector: "missing a selector".)
+    def hpa_conditions() -> dict | None:
+        x = api.get("HorizontalPodAutoscaler", ns, "qwen") or {}
+        conds = {y["type"]: y for y in (x.get("status") or {}).get("conditions") or []}
+        return conds if "sglang:num_queue_reqs" in conds.get("ScalingActive", {}).get(
+            "message", "") else None
+
+    conds = wait_for("the HPA asking for the queue metric", hpa_conditions, timeout=90)
+    assert conds["AbleToScale"]["status"] == "True", conds  # it read /scale
+    hpa = api.get("HorizontalPodAutoscaler", ns, "qwen")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": c.API_VERSION,
                                              "kind": c.SERVICE_KIND, "name": "qwen"}
-    conds = {x["type"]: x for x in hpa["status"]["conditions"]}
-    assert conds["AbleToScale"]["status"] == "True", conds  # it read /scale
-    assert "sglang:num_queue_reqs" in conds["ScalingActive"]["message"], conds
     # KEDA appears (its CRD, as its chart installs it).
     api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", {
         "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
@@ -79,8 +95,9 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
         operator_process()
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {
             "prometheusAddress": "http://prometheus.monitoring:9090"}}})
-        so = wait_for("the ScaledObject", lambda: api.request(
-            "GET", f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/qwen"), timeout=60)
+        path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/qwen"
+        so = wait_for("the ScaledObject", lambda: _served(api, path) and api.request(
+            "GET", path), timeout=60)
         (trig,) = so["spec"]["triggers"]
         assert trig["metadata"]["query"] == \
             f'sum(sglang:num_queue_reqs{{namespace="{ns}",service="qwen"}})'
@@ -88,8 +105,7 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
         wait_for("the HPA gone", lambda: api.get("HorizontalPodAutoscaler", ns, "qwen") is None,
                  timeout=30)
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {"enabled": False}}})
-        wait_for("the ScaledObject gone", lambda: not _served(
-            api, f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/qwen"), timeout=30)
+        wait_for("the ScaledObject gone", lambda: not _served(api, path), timeout=30)
     finally:
         api.request("DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
                     "scaledobjects.keda.sh")

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 from adaflash_operator import contract as c
 from controlplane import Api, wait_for
-from helpers import afs, condition, job_pod, reporter, serving_pods, start_serving_pods
+from helpers import (
+    afs,
+    condition,
+    job_pod,
+    node_prefix,
+    reporter,
+    serving_pods,
+    start_serving_pods,
+)
 
 pytestmark = pytest.mark.apiserver
 
@@ -34,7 +42,7 @@ def test_serving_pods_and_jobs_fill_a_gpu_pool_and_updates_need_no_spare_gpu(
     operator_process()
     api.create(afs(ns, serving={**where, "gpus": 1}, distillation={"gpus": 1}))
     pods = start_serving_pods(api, ns, 2)
-    assert len(set(_nodes(pods))) == 2 and all(n.startswith(ns[-20:]) for n in _nodes(pods))
+    assert len(set(_nodes(pods))) == 2 and all(n.startswith(node_prefix(ns)) for n in _nodes(pods))
     assert all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
                for p in pods)
     old = {p["metadata"]["name"] for p in pods}
@@ -71,7 +79,7 @@ def test_serving_pods_and_jobs_fill_a_gpu_pool_and_updates_need_no_spare_gpu(
     # Scale the serving pods down: the GPUs free up, the Job's pod is placed and runs.
     api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 0}})
     jpod = job_pod(api, ns, "qwen-distill-1-1")
-    assert jpod["spec"]["nodeName"].startswith(ns[-20:])
+    assert jpod["spec"]["nodeName"].startswith(node_prefix(ns))
     wait_for("Distilling", lambda: condition(api, ns, "Progressing").get("reason") ==
              "Distilling", timeout=30)
 
@@ -81,13 +89,14 @@ def test_a_single_node_claims_jobs_run_on_the_serving_pods_node(chart, api: Api,
                                                                 operator_process) -> None:
     """ReadWriteOnce: one node can attach the claim. The serving pod takes half of a node's
     CPU, so the scheduler on its own would put a Job on the emptier node; the Job and the
-    retention CronJob's pods go to the serving pod's node."""
+    retention CronJob's pods go to the serving pod's node (the Job's 8 CPUs leave room there
+    for the retention pod while the Job runs)."""
     ns = namespace
     where = gpu_pool(nodes=2, gpus=2)
     operator_process()
     api.create(afs(ns, replicas=1, storage={"accessMode": "ReadWriteOnce"},
                    serving={**where, "gpus": 1, "resources": {"requests": {"cpu": "32"}}},
-                   distillation={"gpus": 1}))
+                   distillation={"gpus": 1, "resources": {"requests": {"cpu": "8"}}}))
     (pod,) = start_serving_pods(api, ns, 1)
     node = pod["spec"]["nodeName"]
     claim = api.get("PersistentVolumeClaim", ns, "qwen-home")
@@ -115,8 +124,8 @@ def test_a_configured_topology_spread_reaches_the_scheduler(chart, api: Api, nam
     ns = namespace
     taint = {"key": "pool", "value": ns, "effect": "NoSchedule"}
     for zone, gpus in (("a", 4), ("b", 1)):
-        control_plane.add_node(f"{ns[-20:]}-{zone}", gpus=gpus, taints=[taint], labels={
-            "pool": ns, "topology.kubernetes.io/zone": f"{ns[-8:]}-{zone}"})
+        control_plane.add_node(f"{node_prefix(ns)}-{zone}", gpus=gpus, taints=[taint], labels={
+            "pool": ns, "topology.kubernetes.io/zone": f"{ns[-5:]}-{zone}"})
     where = {"nodeSelector": {"pool": ns}, "tolerations": [
         {"key": "pool", "operator": "Equal", "value": ns, "effect": "NoSchedule"}]}
     hard = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
@@ -131,7 +140,7 @@ def test_a_configured_topology_spread_reaches_the_scheduler(chart, api: Api, nam
         cond = next(x for x in pending["status"]["conditions"] if x["type"] == "PodScheduled")
         assert "topology spread" in cond["message"], cond
         placed = [n for n in _nodes(serving_pods(api, ns)) if n]
-        assert sorted(placed) == sorted([f"{ns[-20:]}-a"] * 2 + [f"{ns[-20:]}-b"])
+        assert sorted(placed) == sorted([f"{node_prefix(ns)}-a"] * 2 + [f"{node_prefix(ns)}-b"])
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"serving": {
             "topologySpreadConstraints": None}}})
         wait_for("all 4 placed with the default (soft) spread", lambda: (
@@ -139,4 +148,4 @@ def test_a_configured_topology_spread_reaches_the_scheduler(chart, api: Api, nam
             p["spec"].get("nodeName") for p in ps), timeout=120)
     finally:
         for zone in ("a", "b"):
-            api.request("DELETE", f"/api/v1/nodes/{ns[-20:]}-{zone}")
+            api.request("DELETE", f"/api/v1/nodes/{node_prefix(ns)}-{zone}")

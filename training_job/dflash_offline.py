@@ -56,7 +56,7 @@ class DrafterTrainConfig:
     # Drafter optimisation.
     anchors_per_seq: int = 32
     batch_size: int = 4  # sequences per step
-    max_steps: int = 8000
+    max_steps: int = 5000
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 50
@@ -252,6 +252,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
+def loss_slots(block_size: int, gamma: float, floor: float = 0.01) -> int:
+    """Leading block slots (slot 0 included) whose weight exp(-(k-1)/gamma) is at least
+    ``floor``: the drafter's last layer, the LM head and the loss run on these alone in training
+    (every slot still gives keys and values, so their states are exactly the whole block's).
+    Gamma 7 keeps all 16 slots of a block; gamma 2 keeps 11, and the 5 it drops weighed 1.4%
+    of a block, for a third of the LM head's work."""
+    w = position_weights(block_size, gamma)
+    return max(2, min(block_size, int((w[1:] >= floor).sum()) + 1))
+
+
 def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """logits [N, B, V], labels [N, B], weights [B] -> weighted mean CE over valid slots."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
@@ -334,24 +344,30 @@ def target_features_and_states(target, ids: torch.Tensor,
 
 
 @torch.no_grad()
-def block_teacher_logits(target, final_states: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """[N, B, V]: the target's logits at the position before each block slot (slot k is labelled
-    with the token at anchor+k, which the target predicts at anchor+k-1). Slots past the
-    sequence read a clamped position; their labels are IGNORE, so they weigh nothing."""
-    pos = (blocks.positions - 1).clamp(0, final_states.shape[1] - 1)  # [N, B]
+def block_teacher_logits(target, final_states: torch.Tensor, blocks: Blocks,
+                         slots: int | None = None) -> torch.Tensor:
+    """[N, B, V] (B = ``slots`` leading slots when given): the target's logits at the position
+    before each block slot (slot k is labelled with the token at anchor+k, which the target
+    predicts at anchor+k-1). Slots past the sequence read a clamped position; their labels are
+    IGNORE, so they weigh nothing."""
+    pos = (blocks.positions[:, :slots] - 1).clamp(0, final_states.shape[1] - 1)  # [N, B]
     rows = final_states[blocks.seq_indices[:, None], pos]  # [N, B, H]
     return target.lm_head(rows)
 
 
-def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Final normed block states [N, B, H] of every block, with context K/V per sequence."""
+def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks, slots: int | None = None) -> torch.Tensor:
+    """Final normed block states [N, B, H] of every block, with context K/V per sequence; with
+    ``slots``, those of the leading slots only, [N, slots, H] (the same values)."""
     bs, c, _ = feats.shape
     ctx = drafter.project_context(feats)  # [bs, C, H]
     ctx_pos = torch.arange(c)[None].expand(bs, -1)
     ctx_kv = drafter.context_kv(ctx, ctx_pos)  # per layer ([bs, kvh, C, hd] x2)
     per_block = [(k[blocks.seq_indices], v[blocks.seq_indices]) for k, v in ctx_kv]
     emb = drafter.embed_tokens(blocks.input_ids)
-    return drafter(emb, blocks.positions, per_block, blocks.mask)
+    read = None
+    if slots is not None and slots < blocks.input_ids.shape[1]:
+        read = torch.arange(slots, device=emb.device)[None].expand(emb.shape[0], -1)
+    return drafter(emb, blocks.positions, per_block, blocks.mask, read)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +414,8 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-    weights = position_weights(cfg.block_size, cfg.gamma)
+    slots = loss_slots(cfg.block_size, cfg.gamma)
+    weights = position_weights(cfg.block_size, cfg.gamma)[:slots]
     usable = [s for s in seqs if len(s["output_ids"]) >= 2]
     per_epoch = max(1, len(usable) // cfg.batch_size)
     log_path = work_dir / "drafter_log.jsonl"
@@ -425,12 +442,13 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
         anchors = [sample_anchors(p, n, cfg.anchors_per_seq, rng) for p, n in zip(plens, lens)]
         blocks = make_blocks(ids, lens, anchors, cfg.block_size, mask_id)
         feats, final_states = target_features_and_states(target, ids, cfg.target_layer_ids)
-        hidden = drafter_forward(drafter, feats, blocks)
-        logits = drafter.logits(hidden)  # [N, B, V]
-        loss = weighted_ce(logits, blocks.labels, weights)
+        hidden = drafter_forward(drafter, feats, blocks, slots)
+        logits = drafter.logits(hidden)  # [N, slots, V]
+        labels = blocks.labels[:, :slots]
+        loss = weighted_ce(logits, labels, weights)
         if cfg.kd_weight > 0:
-            teacher = block_teacher_logits(target, final_states, blocks)
-            kd = distill_kl(logits, teacher, blocks.labels, weights, cfg.kd_temperature)
+            teacher = block_teacher_logits(target, final_states, blocks, slots)
+            kd = distill_kl(logits, teacher, labels, weights, cfg.kd_temperature)
             loss = (1 - cfg.kd_weight) * loss + cfg.kd_weight * kd
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -438,7 +456,7 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
         opt.zero_grad(set_to_none=True)
         step += 1
         with torch.no_grad():
-            acc = accept_lengths(logits.argmax(-1), blocks.labels).float().mean().item() + 1
+            acc = accept_lengths(logits.argmax(-1), labels).float().mean().item() + 1
         li = loss.item()
         ema = li if ema is None else 0.9 * ema + 0.1 * li
         bar.update(1)

@@ -39,101 +39,26 @@ import torch
 
 from sglang_adaflash.assets import MODELS_DIR
 from sglang_adaflash.bench.runner import recorded_path
-from sglang_adaflash.engine.engine import EngineStats, SpecBatch, SpecEngine
-from sglang_adaflash.engine.proposer import DFlashProposer
+from sglang_adaflash.engine.engine import EngineStats
 from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
 from sglang_adaflash.launch.loading import load_pair
 from sglang_adaflash.launch.prompts import resolve_prompt_ids
-from sglang_adaflash.target.hf_target import TargetBatch
 
 
-def _load_run_py():
-    """run.py beside this file, by path and under its own name (a bare `import run` would take
+def _load(name: str, module_name: str):
+    """A script beside this file, by path and under its own name (a bare `import run` would take
     whichever `run` module a process loaded first)."""
-    spec = importlib.util.spec_from_file_location("adaptive_run", Path(__file__).resolve().with_name("run.py"))
+    spec = importlib.util.spec_from_file_location(module_name, Path(__file__).resolve().with_name(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_RUN = _load_run_py()
+_RUN = _load("run.py", "adaptive_run")
 cell_requests, workloads = _RUN.cell_requests, _RUN.workloads  # the same workloads and requests
-
-
-@torch.inference_mode()
-def foresee(pair, prompt: list[int], output: list[int], *, block_size: int) -> list[int]:
-    """accepted[m]: the drafter's leading proposals that equal output[m:], when it drafts with
-    output[:m] committed (m >= 1; block slot 0 holds output[m - 1]). At T=0 the committed prefix
-    of every run is `output`, so this is known before any run, from one target forward over the
-    whole sequence and one drafter forward with a row per position."""
-    target, drafter = pair.target, pair.drafter
-    drafter.share_target_modules(target.embed_tokens, target.lm_head)  # as every engine does
-    if len(output) < 2:
-        return [0] * len(output)
-    seq = prompt + output
-    saved = target.capture_layer_ids
-    target.capture_layer_ids = list(drafter.config.target_layer_ids)
-    try:
-        _, aux = target.forward(TargetBatch.from_lists([seq], [0]), target.new_cache(1, len(seq) + 1))
-    finally:
-        target.capture_layer_ids = saved
-    proposer = DFlashProposer(drafter, num_slots=1, capacity=len(seq) + block_size + 1)
-    proposer.extend_context(aux[None], torch.zeros(1, dtype=torch.long), [0])
-    m = torch.arange(1, len(output))  # every decode step's committed output length
-    last = torch.tensor(output)[m - 1]
-    hidden = proposer.propose(last, len(prompt) + m - 1, slots=[0] * len(m))  # [M, B, H]
-    proposals = drafter.logits(hidden[:, 1:]).argmax(-1).tolist()  # [M, B-1]
-    accepted = [0]  # m = 0 never drafts (prefill makes the first token)
-    for mi, props in zip(m.tolist(), proposals):
-        ahead, a = output[mi:], 0
-        while a < min(len(props), len(ahead)) and props[a] == ahead[a]:
-            a += 1
-        accepted.append(a)
-    return accepted
-
-
-class OracleEngine(SpecEngine):
-    """SpecEngine whose draft step knows each row's accepted count ahead (greedy rows only).
-
-    accepted: request id -> foresee()'s table for its prompt; a_min: the fewest accepted
-    proposals for which a row is drafted at all.
-    """
-
-    def __init__(self, *args, accepted: dict[str, list[int]], a_min: int = 1, **kwargs):
-        super().__init__(*args, mode="adaflash", **kwargs)
-        self.accepted, self.a_min = accepted, a_min
-        self.foreseen = 0  # proposals the table said would be accepted, on drafted rows
-
-    def _draft_rows(self, seqs) -> SpecBatch:
-        bs = len(seqs)
-        lengths = torch.ones(bs, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            cap = min(self.block_size, s.remaining)
-            a = self.accepted[s.req.request_id][len(s.output)]
-            if cap > 1 and a >= self.a_min:
-                lengths[i] = min(a + 1, cap)
-        drafted = lengths.gt(1).nonzero().flatten().tolist()
-        if not drafted:
-            return SpecBatch.plain(bs, self.device)
-        t0 = time.perf_counter()
-        self._catch_up(seqs, drafted)  # what drafting after plain steps costs any rule
-        k = int(lengths.max()) - 1
-        last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
-        ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
-        read = torch.arange(1, k + 1, device=self.device)[None].expand(len(drafted), k)
-        hidden = self.proposer.propose(last, ctx, slots=drafted, read=read)  # [n, k, H]
-        # the LM head only where a row verifies (as SpecEngine._proposals): a row of logits costs
-        # more than a slot's query side, and a batch's longest row must not price the others
-        needed = torch.arange(k)[None] < (lengths[drafted] - 1)[:, None]  # [n, k]
-        j, slot = needed.nonzero(as_tuple=True)
-        spec = SpecBatch(lengths, drafted=drafted)
-        spec.draft_ids = torch.zeros(bs, k, dtype=torch.long, device=self.device)
-        rows = torch.tensor(drafted, dtype=torch.long)[j]
-        spec.draft_ids[rows.to(self.device), slot.to(self.device)] = self.drafter.logits(hidden[j, slot]).argmax(-1)
-        spec.draft_seconds = time.perf_counter() - t0
-        self.foreseen += int(lengths[drafted].sum()) - len(drafted)
-        return spec
+_ORACLE = _load("oracle.py", "adaptive_oracle")
+foresee, OracleEngine = _ORACLE.foresee, _ORACLE.OracleEngine
 
 
 def main(argv=None) -> int:

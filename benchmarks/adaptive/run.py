@@ -1,10 +1,14 @@
-"""Adaptive verification on the embedded pair: ar, dflash and adaflash side by side in one run.
+"""Adaptive verification on the embedded pair: ar, dflash, adaflash and the oracle side by side.
 
 Workloads (held-out prompts): in-domain (code + prose), math only (the drafter never saw math),
 and all three mixed in thirds. For every workload and concurrency c it serves max(2c, prompts)
 requests (prompts cycled, freed slots refilled) in each mode, repeats interleaved, and records
 throughput, tau, verify lengths, how often adaflash drafted, the calibration error of its
-predictions, and token-for-token equality with `ar` (T=0) of every run.
+predictions, and token-for-token equality with `ar` (T=0) of every run. Mode `oracle` is
+oracle.py's engine that knows every draft's fate (a_min 1; `oracle_a2`: a_min 2): the ceiling of
+any verify-length rule, run in the same cells and interleaved with the others. Modes
+`adaflash-history` and `adaflash-head` pin where adaflash's lengths come from (the engine's
+`lengths_from`); plain `adaflash` is the engine's default.
 
     .venv/bin/python benchmarks/adaptive/run.py --out benchmarks/adaptive/results.json
 
@@ -37,7 +41,7 @@ from sglang_adaflash.launch.loading import load_pair
 from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
 from sglang_adaflash.planner.calibration import SurvivalPosterior
 
-MODES = ("ar", "dflash", "adaflash")
+MODES = ("ar", "dflash", "adaflash", "oracle")
 WARM_STEPS = 32  # calibration is judged after a request's first 32 steps
 
 
@@ -55,6 +59,37 @@ def cell_requests(prompts, n: int, max_new_tokens: int, stop) -> list[Request]:
     return [Request(list(prompts[i % len(prompts)][0]),
                     SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop),
                     f"r{i}", prompts[i % len(prompts)][1]) for i in range(n)]
+
+
+def _load_oracle():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adaptive_oracle", Path(__file__).resolve().with_name("oracle.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_engine(pair, mode: str, c: int, max_seq: int, n: int, requests, block: int):
+    """The engine of one mode in one cell. An oracle's table of accepted proposals comes from
+    ar's outputs of the cell's requests (at T=0 every mode commits them)."""
+    if mode.startswith("oracle"):
+        oracle = _load_oracle()
+        a_min = int(mode[len("oracle_a"):]) if mode.startswith("oracle_a") else 1
+        ar = make_engine(pair, "ar", c, max_seq, 0, num_requests=n)
+        reference = {o.request_id: o.output_ids for o in ar.run(requests())}
+        tables: dict[tuple, list[int]] = {}
+        accepted = {}
+        for r in requests():
+            key = tuple(r.prompt_ids)
+            if key not in tables:
+                tables[key] = oracle.foresee(pair, r.prompt_ids, reference[r.request_id], block_size=block)
+            accepted[r.request_id] = tables[key]
+        return oracle.OracleEngine(pair.target, pair.drafter, max_batch_size=min(c, n), max_seq_len=max_seq,
+                                   seed=0, accepted=accepted, a_min=a_min)
+    if mode.startswith("adaflash-"):
+        return make_engine(pair, "adaflash", c, max_seq, 0, num_requests=n, lengths_from=mode[len("adaflash-"):])
+    return make_engine(pair, mode, c, max_seq, 0, num_requests=n)
 
 
 def calibration(outs, block: int) -> dict:
@@ -134,7 +169,7 @@ def main(argv=None) -> int:
             def requests(prompts=prompts, n=n):
                 return cell_requests(prompts, n, args.max_new_tokens, stop)
 
-            engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
+            engines = {m: build_engine(pair, m, c, max_seq, n, requests, block) for m in modes}
 
             def timed(e, requests=requests):
                 """One run: (wall tok/s, CPU tok/s, output ids, outputs)."""
@@ -168,51 +203,68 @@ def main(argv=None) -> int:
                         steps = sum(o.stats.steps for o in outs)
                         verified = sum(o.stats.verified_tokens for o in outs)
                         drafted = sum(sum(o.stats.drafted) for o in outs)
+                        adaptive = m.startswith("adaflash") or m.startswith("oracle")
                         first[m + "_stats"] = {
                             "tau": sum(o.stats.committed_tokens for o in outs) / steps,
                             "mean_verify_len": verified / steps,
-                            "drafted_share": drafted / steps if m == "adaflash" else (1.0 if m == "dflash" else 0.0),
-                            "calibration": calibration(outs, block) if m == "adaflash" else None,
+                            "drafted_share": drafted / steps if adaptive else (1.0 if m == "dflash" else 0.0),
+                            "calibration": calibration(outs, block) if m.startswith("adaflash") else None,
                         }
-            pairs = []  # adaflash/ar of runs back to back
-            if "ar" in modes and "adaflash" in modes:
-                for k in range(args.extra_pairs):
-                    got = {}
-                    for m in (("ar", "adaflash") if k % 2 == 0 else ("adaflash", "ar")):
-                        got[m] = timed(engines[m])
-                        tput[m].append(got[m][0])
-                        cput[m].append(got[m][1])
-                        if got[m][2] != first.get("ar", got[m][2]):
-                            equality_ok = False
-                            print(f"T=0 MISMATCH: {wname} c={c} {m} extra pair {k}", file=sys.stderr)
-                    pairs.append(got["adaflash"][1] / got["ar"][1])
+            adaptives = [m for m in modes if m.startswith("adaflash")]
+            pairs: dict[str, list[float]] = {m: [] for m in adaptives}  # adaptive/ar of runs back to back
+            if "ar" in modes:
+                for m_ada in adaptives:
+                    for k in range(args.extra_pairs):
+                        got = {}
+                        for m in (("ar", m_ada) if k % 2 == 0 else (m_ada, "ar")):
+                            got[m] = timed(engines[m])
+                            tput[m].append(got[m][0])
+                            cput[m].append(got[m][1])
+                            if got[m][2] != first.get("ar", got[m][2]):
+                                equality_ok = False
+                                print(f"T=0 MISMATCH: {wname} c={c} {m} extra pair {k}", file=sys.stderr)
+                        pairs[m_ada].append(got[m_ada][1] / got["ar"][1])
             med = {m: statistics.median(tput[m]) for m in modes}
             cmed = {m: statistics.median(cput[m]) for m in modes}
             best = max(med.get("ar", 0.0), med.get("dflash", 0.0))
             cbest = max(cmed.get("ar", 0.0), cmed.get("dflash", 0.0))
+            oracles = [m for m in modes if m.startswith("oracle")]
+            ceiling = max([cmed.get("ar", 0.0)] + [cmed[m] for m in oracles]) if oracles else None
             for m in modes:
                 row = {"workload": wname, "concurrency": c, "mode": m, "requests": n,
                        "throughput_tok_s": med[m], "samples": tput[m],
                        "cpu_throughput_tok_s": cmed[m], "cpu_samples": cput[m], **first[m + "_stats"]}
-                if m == "adaflash" and best:
+                if "ar" in modes and m != "ar":
+                    row["cpu_vs_ar"] = cmed[m] / cmed["ar"]
+                if m.startswith("adaflash") and best:
                     row["vs_best_fixed"] = med[m] / best
                     row["cpu_vs_best_fixed"] = cmed[m] / cbest
-                    if pairs:  # max(ar, dflash) is ar wherever dflash is slower
-                        row["paired_vs_ar"] = statistics.median(pairs)
-                        row["paired_samples"] = pairs
+                    if ceiling:
+                        row["cpu_vs_ceiling"] = cmed[m] / ceiling
+                    if pairs.get(m):  # max(ar, dflash) is ar wherever dflash is slower
+                        row["paired_vs_ar"] = statistics.median(pairs[m])
+                        row["paired_samples"] = pairs[m]
+                        if "dflash" in modes and cmed["dflash"] > cmed["ar"]:  # dflash is the best fixed mode
+                            row["paired_vs_best_fixed"] = statistics.median(pairs[m]) * cmed["ar"] / cmed["dflash"]
+                        else:
+                            row["paired_vs_best_fixed"] = statistics.median(pairs[m])
+                if m.startswith("oracle") and ceiling:
+                    row["ceiling_vs_ar"] = ceiling / cmed["ar"] if "ar" in modes else None
                 rows.append(row)
             line = "  ".join(f"{m} {med[m]:7.1f}/{cmed[m]:7.1f}" for m in modes)
-            if pairs:
-                line += f"  paired ada/ar {statistics.median(pairs):.3f}"
+            for m_ada in adaptives:
+                if pairs.get(m_ada):
+                    line += f"  paired {m_ada}/ar {statistics.median(pairs[m_ada]):.3f}"
             extra = ""
-            if "adaflash" in modes and best:
-                cal = first["adaflash_stats"]["calibration"]
-                extra = (f"  ada/max wall {med['adaflash'] / best:.3f} cpu {cmed['adaflash'] / cbest:.3f}"
-                         f"  drafted {first['adaflash_stats']['drafted_share']:.2f}"
-                         f"  mae {cal['mae'] if cal['mae'] is None else round(cal['mae'], 4)}"
-                         f"  mae(drafted) {cal['mae_drafted'] if cal['mae_drafted'] is None else round(cal['mae_drafted'], 4)}"
-                         f" floor {cal['mae_drafted_floor'] if cal['mae_drafted_floor'] is None else round(cal['mae_drafted_floor'], 4)}"
-                         f"  per-request {cal['request_mae'] if cal['request_mae'] is None else round(cal['request_mae'], 4)}")
+            for m_ada in adaptives:
+                if not best:
+                    continue
+                cal = first[m_ada + "_stats"]["calibration"]
+                extra += (f"  {m_ada}/max wall {med[m_ada] / best:.3f} cpu {cmed[m_ada] / cbest:.3f}"
+                          f"  drafted {first[m_ada + '_stats']['drafted_share']:.2f}"
+                          f"  mae {cal['mae'] if cal['mae'] is None else round(cal['mae'], 4)}")
+            if ceiling and "ar" in modes:
+                extra += f"  ceiling/ar {ceiling / cmed['ar']:.3f}"
             print(f"{wname:9s} c={c:3d}  {line}{extra}", flush=True)
     given = list(argv if argv is not None else sys.argv[1:])
     if "--out" in given:  # as bench records it: no machine's absolute path

@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default ./adaflash-demo; with --static ./bench-demo)")
     d.add_argument("--concurrency", type=_int_list, default=None,
-                   help="clients in flight (default 8); with --static comma-separated levels (default 1,8,32)")
+                   help="clients in flight (default 1: on two cores the distiller takes one, and one request "
+                        "at a time is where speculation pays on a CPU; docs/serving.md); with --static "
+                        "comma-separated levels (default 1,8,32)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=None,
                    help="per request (default 64; --quick 48)")
     d.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
@@ -137,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true")
     loop = d.add_argument_group("the closed loop")
     loop.add_argument("--quick", action="store_true", help="about 3 minutes: smaller phases and one small round")
-    loop.add_argument("--mode", choices=SERVE_MODES, default="dflash",
-                      help="serving mode (default dflash: every drafted slot is verified, so live tau "
-                           "shows what the drafter learned; see docs/serving.md)")
+    loop.add_argument("--mode", choices=SERVE_MODES, default="adaflash",
+                      help="serving mode (default adaflash, the product: the length head and the load-aware "
+                           "rule choose what to verify; dflash verifies every drafted slot, so its live tau shows "
+                           "all the drafter learned; see docs/serving.md)")
     loop.add_argument("--target", default="embedded", type=model_dir_arg("target"), metavar="DIR",
                       help="target directory (default: the embedded one)")
     loop.add_argument("--drafter", default="embedded", type=model_dir_arg("drafter"), metavar="DIR",
@@ -156,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
     loop.add_argument("--per-version", type=_positive_int, default=None,
                       help="math answers the final version serves before the end (default 48; --quick 8)")
+    loop.add_argument("--replay", type=int, default=None,
+                      help="first-phase prompts sent again after the last round, to show what the math rounds "
+                           "did to code and prose (default 16; --quick 4; 0: none)")
+    loop.add_argument("--baseline-every", type=_positive_int, default=None,
+                      help="every n-th prompt is answered by plain decoding too, right after (default 2)")
     loop.add_argument("--budget-s", type=float, default=None,
                       help="seconds of traffic at most, both phases (default 720; --quick 140)")
     loop.add_argument("--check-prompts", type=_positive_int, default=None,
@@ -227,7 +235,7 @@ def _demo(args, argv: list[str] | None) -> int:
     from ..demo.loop import run_loop
 
     args.out = args.out or "adaflash-demo"
-    args.concurrency = args.concurrency or [8]
+    args.concurrency = args.concurrency or [1]
     args.max_tokens = args.max_new_tokens
     args.threads = args.threads or 1
     args.dtype = args.dtype or "float32"

@@ -5,6 +5,12 @@ it and how many tokens they committed, so live tau can be split by domain and by
 for a request that spans a hot reload. The poller records the server's step counter and loaded
 version twice a second: that timeline is where throughput per version and "serving never
 stopped" come from.
+
+Plain decoding is measured beside it in the same run: given a ``baseline`` replayer (a second
+``adaflash serve --mode ar``), a worker sends every ``baseline_every``-th prompt there too, right
+after the speculative server answered it and before its next request. Only one of the two
+servers works at a time, so both see the same machine (the distiller busy on the other core),
+and the pair of answers to one prompt is what the speedup is computed from (report.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,18 @@ class Answer:
     completion_tokens: int = 0
     fingerprint: str | None = None  # the version serving when the request finished
     by_version: list[dict] = field(default_factory=list)  # [{version, decode_steps, committed_tokens}]
+    server: str = "spec"  # "spec": the speculative server; "plain": plain decoding (mode ar)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def version(self) -> str | None:
+        """The drafter version that served most of this answer's decode steps."""
+        if not self.by_version:
+            return self.fingerprint
+        return max(self.by_version, key=lambda p: p["decode_steps"])["version"]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,13 +57,17 @@ class Replayer:
     """Sends prompts through ``/v1/chat/completions`` with ``concurrency`` requests in flight."""
 
     def __init__(self, base_url: str, model: str, *, concurrency: int, max_tokens: int,
-                 temperature: float = 0.0, clock: Callable[[], float], timeout_s: float = 600.0):
+                 temperature: float = 0.0, clock: Callable[[], float], timeout_s: float = 600.0,
+                 server: str = "spec", baseline: Replayer | None = None, baseline_every: int = 2):
         import openai
 
+        if baseline_every < 1:
+            raise ValueError(f"baseline_every must be >= 1, got {baseline_every}")
         self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                                     timeout=timeout_s)
         self.model, self.concurrency, self.max_tokens = model, concurrency, max_tokens
-        self.temperature, self.clock = temperature, clock
+        self.temperature, self.clock, self.server = temperature, clock, server
+        self.baseline, self.baseline_every = baseline, baseline_every
 
     def ask(self, prompt: Prompt, phase: str, max_tokens: int | None = None,
             token_ids: bool = False) -> tuple[Answer, list[int] | None]:
@@ -60,14 +82,14 @@ class Replayer:
                 extra_body=extra)
         except Exception as e:  # every failure is counted: the loop's goal is zero
             return Answer(prompt.id, phase, prompt.domain, t0, self.clock(), False,
-                          f"{type(e).__name__}: {e}"), None
+                          f"{type(e).__name__}: {e}", server=self.server), None
         body = out.model_dump()
         spec = body.get("adaflash") or {}
         ids = body["choices"][0].get("token_ids") if token_ids else None
         return Answer(prompt.id, phase, prompt.domain, t0, self.clock(), True,
                       completion_tokens=out.usage.completion_tokens if out.usage else 0,
                       fingerprint=out.system_fingerprint,
-                      by_version=list(spec.get("by_version") or [])), ids
+                      by_version=list(spec.get("by_version") or []), server=self.server), ids
 
     def run(self, prompts: Iterator[Prompt], phase: str, *, until: Callable[[], bool] | None = None,
             on_answer: Callable[[Answer], None] | None = None) -> list[Answer]:
@@ -76,6 +98,7 @@ class Replayer:
         lock = threading.Lock()
         answers: list[Answer] = []
         errors: list[BaseException] = []
+        sent = [0]
 
         def next_prompt() -> Prompt | None:
             with lock:
@@ -89,8 +112,16 @@ class Replayer:
                     a, _ = self.ask(p, phase)
                     with lock:
                         answers.append(a)
+                        sent[0] += 1
+                        pair_it = self.baseline is not None and sent[0] % self.baseline_every == 1 % self.baseline_every
                     if on_answer is not None:
                         on_answer(a)
+                    if pair_it and a.ok:  # the same prompt through plain decoding, before the next one
+                        b, _ = self.baseline.ask(p, phase)
+                        with lock:
+                            answers.append(b)
+                        if on_answer is not None:
+                            on_answer(b)
             except BaseException as e:  # a bug in the demo itself: stop every worker, re-raise
                 with lock:
                     errors.append(e)

@@ -5,7 +5,11 @@ Two processes meet on a temporary volume (``ADAFLASH_HOME``), seeded with the sh
 new ``drafters/latest``; ``python -m training_job.distill --follow`` trains a round whenever
 enough new records arrived and publishes the next version. This process is only their client:
 through the `openai` client it replays code and prose, then shifts to math, and watches live tau
-(per domain, per drafter version), throughput and the versions loaded. It ends by comparing the
+(per domain, per drafter version), throughput and the versions loaded. A third child, ``adaflash
+serve --mode ar`` (plain decoding, no traffic), answers every other prompt again right after the
+speculative server did, so each version's speed is a ratio to plain decoding on the same prompts
+in the same minute (client.py, report.py). After the last round it replays some of the first
+phase's code and prose prompts, to show whether the drafter forgot them. It ends by comparing the
 final version's T=0 answers with plain decoding's, token for token.
 
 Exit status: 0 when every request was answered, both children behaved and the T=0 answers are
@@ -33,9 +37,11 @@ from . import check as eqcheck
 from .client import Poller, Replayer
 from .procs import ChildError, Children, restore_sigterm, terminate_as_interrupt
 from .report import cells, plot, stalls, table
-from .workload import FIRST_PHASE, SHIFT_PHASE, first_phase, math_stream, shipped
+from .workload import FIRST_PHASE, REPLAY_PHASE, SHIFT_PHASE, first_phase, math_stream, shipped
 
 MODEL_NAME = "demo"
+#: The loop's goal: by the last version, math at least this many times plain decoding's speed.
+MATH_SPEED_GOAL = 1.3
 
 
 @dataclass
@@ -54,14 +60,16 @@ class Plan:
     budget_s: float
     max_tokens: int
     check_prompts: int
+    replay: int  # first-phase prompts sent again after the last round
+    baseline_every: int  # every n-th prompt also goes to plain decoding
 
 
 DEFAULT = Plan(first_requests=32, min_records=64, max_records=128, rounds=3, epochs=2,
                head_steps=50, eval_records=16, eval_tokens=64, per_version=48, budget_s=720,
-               max_tokens=64, check_prompts=12)
+               max_tokens=64, check_prompts=12, replay=16, baseline_every=2)
 QUICK = Plan(first_requests=8, min_records=32, max_records=48, rounds=1, epochs=2,
              head_steps=10, eval_records=4, eval_tokens=32, per_version=8, budget_s=140,
-             max_tokens=48, check_prompts=6)
+             max_tokens=48, check_prompts=6, replay=4, baseline_every=2)
 
 
 def plan_for(args) -> Plan:
@@ -69,8 +77,9 @@ def plan_for(args) -> Plan:
     fields = {k: getattr(args, k, None) for k in base.__dataclass_fields__}
     plan = Plan(**{k: (v if v is not None else getattr(base, k)) for k, v in fields.items()})
     for k, v in vars(plan).items():
-        if v < (0 if k == "head_steps" else 1):
-            raise CLIError(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+        least = 0 if k in ("head_steps", "replay") else 1
+        if v < least:
+            raise CLIError(f"--{k.replace('_', '-')} must be >= {least}, got {v}")
     return plan
 
 
@@ -84,11 +93,14 @@ def _child_env(home: Path) -> dict[str, str]:
     return env
 
 
-def serve_argv(args, home: Path, concurrency: int) -> list[str]:
+def serve_argv(args, home: Path, concurrency: int, mode: str | None = None) -> list[str]:
+    """The speculative server (mode None: --mode's), or with mode "ar" plain decoding: the same
+    server with no drafter, writing no traffic, on its own volume."""
     argv = [sys.executable, "-m", "sglang_adaflash.cli.main", "serve", "--target", args.target,
-            "--home", str(home), "--mode", args.mode, "--port", "0", "--model-name", MODEL_NAME,
-            "--traffic-writer", "demo", "--reload-poll-s", "0.5", "--threads", str(args.threads),
+            "--home", str(home), "--mode", mode or args.mode, "--port", "0", "--model-name", MODEL_NAME,
+            "--reload-poll-s", "0.5", "--threads", str(args.threads),
             "--max-batch-size", str(max(8, concurrency)), "--log-level", "warning"]
+    argv += ["--no-traffic"] if mode == "ar" else ["--traffic-writer", "demo"]
     return argv + (["--dtype", args.dtype] if args.dtype else [])
 
 
@@ -177,14 +189,25 @@ def run_loop(args) -> int:
             url = serve.wait_for_line(r"listening on (http://\S+)", args.start_timeout).group(1)
             wait_ready(url, args.start_timeout, serve)
             say(f"adaflash serve (pid {serve.pid}) ready at {url}, mode {args.mode}")
+            plain_home = home / "plain"
+            plain_home.mkdir(exist_ok=True)
+            plain = kids.start("plain", serve_argv(args, plain_home, concurrency, mode="ar"),
+                               out / "logs" / "plain.log", _child_env(plain_home))
+            plain_url = plain.wait_for_line(r"listening on (http://\S+)", args.start_timeout).group(1)
+            wait_ready(plain_url, args.start_timeout, plain)
+            say(f"plain decoding (adaflash serve --mode ar, pid {plain.pid}) ready at {plain_url}: "
+                f"every {plan.baseline_every}. prompt is answered there too")
             distill = kids.start("distill", distill_argv(args, home, plan, out / "logs" / "distill-report.json"),
                                  out / "logs" / "distill.log", _child_env(home))
             say(f"distillation follower (pid {distill.pid}): a round per {plan.min_records} new records, "
                 f"{plan.rounds} round(s)")
-            (out / "logs" / "processes.json").write_text(json.dumps({"serve": serve.pid, "distill": distill.pid}))
+            (out / "logs" / "processes.json").write_text(json.dumps({"serve": serve.pid, "distill": distill.pid,
+                                                                     "plain": plain.pid}))
             poller = Poller(url, clock).start()
+            baseline = Replayer(plain_url, MODEL_NAME, concurrency=1, max_tokens=plan.max_tokens,
+                                clock=clock, server="plain")
             replayer = Replayer(url, MODEL_NAME, concurrency=concurrency, max_tokens=plan.max_tokens,
-                                clock=clock)
+                                clock=clock, baseline=baseline, baseline_every=plan.baseline_every)
             answers = state["answers"]
 
             live: list = []  # this phase's answers as they arrive (the run returns them at its end)
@@ -221,7 +244,7 @@ def run_loop(args) -> int:
                 latest = read_latest(home)
                 if version != latest:
                     return False
-                served = sum(1 for a in list(live) if a.ok and a.phase == SHIFT_PHASE
+                served = sum(1 for a in list(live) if a.ok and a.phase == SHIFT_PHASE and a.server == "spec"
                              and [p["version"] for p in a.by_version] == [latest])
                 return served >= plan.per_version
 
@@ -237,14 +260,20 @@ def run_loop(args) -> int:
             say(f"phase {SHIFT_PHASE}: {sum(a.phase == SHIFT_PHASE for a in answers)} answers")
 
             settle(url, home, read_latest)
+            if plan.replay:  # did the math rounds make the drafter forget code and prose?
+                start = clock()
+                answers += replayer.run(iter(first_phase(plan.replay)), REPLAY_PHASE, on_answer=on_answer)
+                state["phases"].append({"name": REPLAY_PHASE, "start": start, "end": clock()})
+                say(f"phase {REPLAY_PHASE}: the first phase's first {plan.replay} prompts again, on the final version")
             served_ids, check_prompts = served_check(replayer, plan)
             state["check_versions"] = sorted({v for v, _ in served_ids.values()}, key=str)
             ready = httpx.get(url + "/ready", timeout=10).json()
             state["swaps"] = ready.get("swaps") or []
             state["steps"] = ready.get("steps")
             poller.stop()
-            if not serve.running:
-                state["failed_children"]["serve"] = serve.proc.returncode
+            for name, child in (("serve", serve), ("plain", plain)):
+                if not child.running:
+                    state["failed_children"][name] = child.proc.returncode
     except KeyboardInterrupt:
         print("demo: interrupted; both processes were stopped", file=sys.stderr)
         return 130
@@ -299,11 +328,25 @@ def finish(args, plan, out: Path, state, poller, volume, equality, end: float, c
     domains = [d for d in ("code", "prose", "math") if any(d in r["tau"] for r in rows)]
     math = [(r["version"], r["tau"]["math"]) for r in rows if r["phase"] == SHIFT_PHASE and "math" in r["tau"]]
     pauses = [s["pause_steps"] for s in swaps if s.get("pause_steps") is not None]
+    math_speed = [(r["version"], r["vs_plain"]["math"]) for r in rows
+                  if r["phase"] == SHIFT_PHASE and (r.get("vs_plain") or {}).get("math")]
+    first = next((r for r in rows if r["phase"] == FIRST_PHASE), None)
+    again = next((r for r in rows if r["phase"] == REPLAY_PHASE), None)
     summary = {
         "failed_requests": len(failed),
         "answered_requests": sum(a.ok for a in answers),
+        "plain_answers": sum(a.ok and a.server == "plain" for a in answers),
         "math_tau_first_to_last": [math[0], math[-1]] if math else None,
         "math_tau_rose": bool(math) and len(math) > 1 and math[-1][1] > math[0][1],
+        # speed against plain decoding on the same prompts, measured in this run (report.py)
+        "math_vs_plain_first_to_last": [math_speed[0], math_speed[-1]] if math_speed else None,
+        "math_vs_plain_goal": {"goal": MATH_SPEED_GOAL, "last": math_speed[-1][1] if math_speed else None,
+                               "met": bool(math_speed) and math_speed[-1][1] >= MATH_SPEED_GOAL},
+        "first_domains_before_after": None if first is None or again is None else {
+            d: {"tau": [first["tau"].get(d), again["tau"].get(d)],
+                "vs_plain": [(first.get("vs_plain") or {}).get(d), (again.get("vs_plain") or {}).get(d)],
+                "versions": [first["version"], again["version"]]}
+            for d in ("code", "prose")},
         "versions_loaded": [s["version"] for s in swaps],
         "reload_pause_max_s": max((s["pause_s"] for s in swaps), default=None),
         "reload_pause_max_steps": max(pauses, default=None),
@@ -338,6 +381,15 @@ def finish(args, plan, out: Path, state, poller, volume, equality, end: float, c
           f"versions loaded while serving: {', '.join(summary['versions_loaded']) or 'none'}")
     if math:
         print(f"math live tau: {math[0][0]} {math[0][1]:.2f} -> {math[-1][0]} {math[-1][1]:.2f}")
+    if math_speed:
+        goal = "met" if summary["math_vs_plain_goal"]["met"] else "missed"
+        print(f"math speed against plain decoding (same prompts, this run): {math_speed[0][0]} "
+              f"{math_speed[0][1]:.2f}x -> {math_speed[-1][0]} {math_speed[-1][1]:.2f}x "
+              f"(goal {MATH_SPEED_GOAL}x by the last version: {goal})")
+    for d, v in (summary["first_domains_before_after"] or {}).items():
+        if v["tau"][0] is not None and v["tau"][1] is not None:
+            print(f"{d} after the math rounds: tau {v['tau'][0]:.2f} ({v['versions'][0]}) -> "
+                  f"{v['tau'][1]:.2f} ({v['versions'][1]})")
     if swaps:
         print("reload pause: " + ", ".join(
             f"{s['version']} {s['pause_s'] * 1e3:.1f} ms"

@@ -5,6 +5,12 @@ steps that version served for requests of that domain in that phase (each answer
 version served which of its steps). Throughput of a (phase, version) cell = completion tokens of
 the answers that finished while that version was loaded in that phase, over that window's
 length; the windows come from the ``/ready`` poller's timeline.
+
+Speed against plain decoding of a (phase, version, domain) cell: over the prompts that were
+answered by both servers (the speculative one mostly by that version, then the plain one right
+after it), (sum of tokens / sum of seconds) of the speculative answers over the same of the plain
+answers. Both servers answered the same prompts one at a time on the same machine in the same
+minute, so the ratio is side by side, not against a figure from another run.
 """
 
 from __future__ import annotations
@@ -26,8 +32,34 @@ def version_windows(samples: list[dict], end: float) -> list[tuple[str | None, f
     return [tuple(w) for w in out]
 
 
+def paired_speed(answers: list[Answer]) -> dict[tuple, dict]:
+    """(phase, version, domain) -> speculative and plain tokens/s over the prompts both answered,
+    and their ratio (see the module docstring)."""
+    plain = {(a.phase, a.id): a for a in answers if a.ok and a.server == "plain"}
+    agg: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0, 0])
+    for a in answers:
+        b = plain.get((a.phase, a.id))
+        if not a.ok or a.server != "spec" or b is None or a.seconds <= 0 or b.seconds <= 0:
+            continue
+        x = agg[(a.phase, a.version, a.domain)]
+        x[0] += a.completion_tokens
+        x[1] += a.seconds
+        x[2] += b.completion_tokens
+        x[3] += b.seconds
+        x[4] += 1
+    out = {}
+    for key, (st, ss, pt, ps, n) in agg.items():
+        spec, ref = st / ss, pt / ps
+        out[key] = {"pairs": n, "tokens_per_s": round(spec, 2), "plain_tokens_per_s": round(ref, 2),
+                    "vs_plain": round(spec / ref, 3) if ref > 0 else None}
+    return out
+
+
 def cells(answers: list[Answer], phases: list[dict], samples: list[dict], end: float) -> list[dict]:
-    """One row per (phase, version): tau by domain, requests, throughput, window."""
+    """One row per (phase, version): tau by domain, speed against plain decoding by domain,
+    requests, throughput, window. Plain decoding's own answers count only in the speed ratio."""
+    speed = paired_speed(answers)
+    answers = [a for a in answers if a.server == "spec"]
     steps: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # steps, tokens, requests
     for a in answers:
         if not a.ok:
@@ -49,10 +81,12 @@ def cells(answers: list[Answer], phases: list[dict], samples: list[dict], end: f
             tau = {d: round(v[1] / v[0], 3) for (p, ver, d), v in sorted(steps.items())
                    if p == ph["name"] and ver == version and v[0]}
             reqs = {d: v[2] for (p, ver, d), v in sorted(steps.items()) if p == ph["name"] and ver == version}
+            vs = {d: v for (p, ver, d), v in sorted(speed.items()) if p == ph["name"] and ver == version}
             if not tau and not done:
                 continue
             rows.append({"phase": ph["name"], "version": version, "from_s": round(lo, 2),
                          "to_s": round(hi, 2), "tau": tau, "requests": reqs,
+                         "vs_plain": {d: v["vs_plain"] for d, v in vs.items()}, "speed": vs,
                          "finished": len(done), "completion_tokens": tokens,
                          "tokens_per_s": round(tokens / (hi - lo), 2)})
     return rows
@@ -75,11 +109,16 @@ def stalls(samples: list[dict]) -> float:
 
 
 def table(rows: list[dict], domains: list[str]) -> str:
-    head = ["phase", "version", *[f"tau {d}" for d in domains], "requests", "tok/s", "window s"]
+    """One line per (phase, version): live tau per domain, then speed against plain decoding
+    per domain ("1.31x": 1.31 times plain decoding's tokens/s on the same prompts)."""
+    head = ["phase", "version", *[f"tau {d}" for d in domains], *[f"vs ar {d}" for d in domains],
+            "requests", "tok/s", "window s"]
     lines = [head]
     for r in rows:
+        vs = r.get("vs_plain") or {}
         lines.append([r["phase"], str(r["version"]),
                       *[f"{r['tau'][d]:.2f}" if d in r["tau"] else "-" for d in domains],
+                      *[f"{vs[d]:.2f}x" if vs.get(d) else "-" for d in domains],
                       str(r["finished"]), f"{r['tokens_per_s']:.1f}",
                       f"{r['from_s']:.0f}-{r['to_s']:.0f}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
@@ -99,6 +138,8 @@ def plot(path, answers: list[Answer], phases: list[dict], rows: list[dict], swap
     except ImportError:
         return False
     colors = {"code": "tab:blue", "prose": "tab:green", "math": "tab:red"}
+    plain = [a for a in answers if a.ok and a.server == "plain" and a.seconds > 0]
+    answers = [a for a in answers if a.server == "spec"]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=[2, 1])
     for ph in phases[:1]:
         for a_ in (ax, bx):
@@ -115,15 +156,24 @@ def plot(path, answers: list[Answer], phases: list[dict], rows: list[dict], swap
             if d == "math":
                 ax.annotate(f"{r['version']}\n{tau:.2f}", ((r["from_s"] + r["to_s"]) / 2, tau),
                             ha="center", va="bottom", fontsize=7)
-    t_end = max((a.end for a in answers), default=1.0)
-    width = max(5.0, t_end / 40)
-    bins = defaultdict(int)
-    for a in answers:
-        if a.ok:
-            bins[int(a.end // width)] += a.completion_tokens
-    if bins:
-        xs = sorted(bins)
-        bx.step([x * width for x in xs], [bins[x] / width for x in xs], where="post", color="k")
+    # per-request decode speed of both servers (one request at a time: the server's throughput)
+    for d, c in colors.items():
+        pts = [(a.end, a.completion_tokens / a.seconds) for a in answers
+               if a.ok and a.domain == d and a.seconds > 0]
+        if pts:
+            bx.scatter(*zip(*pts), s=5, color=c, alpha=0.35)
+    if plain:
+        bx.scatter([a.end for a in plain], [a.completion_tokens / a.seconds for a in plain], s=8,
+                   marker="x", color="k", alpha=0.5, label="plain decoding (ar), same prompts")
+    for r in rows:
+        for d, sp in (r.get("speed") or {}).items():
+            bx.hlines(sp["plain_tokens_per_s"], r["from_s"], r["to_s"], color="k", lw=1.5, ls=":")
+            bx.hlines(sp["tokens_per_s"], r["from_s"], r["to_s"], color=colors.get(d, "k"), lw=2.5)
+            if sp.get("vs_plain"):
+                bx.annotate(f"{sp['vs_plain']:.2f}x", ((r["from_s"] + r["to_s"]) / 2, sp["tokens_per_s"]),
+                            ha="center", va="bottom", fontsize=7, color=colors.get(d, "k"))
+    if plain:
+        bx.legend(loc="upper left", fontsize=7)
     for s in swaps:
         for a_ in (ax, bx):
             a_.axvline(s["t"], color="0.4", ls="--", lw=0.8)
@@ -133,8 +183,8 @@ def plot(path, answers: list[Answer], phases: list[dict], rows: list[dict], swap
     ax.set_title(title, fontsize=9)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=7)
-    bx.set_ylabel("tokens/s")
-    bx.set_xlabel("seconds (grey: first phase, code+prose; dashed: hot reloads)")
+    bx.set_ylabel("tokens/s per request")
+    bx.set_xlabel("seconds (grey: first phase, code+prose; dashed: hot reloads; dotted black: plain decoding)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

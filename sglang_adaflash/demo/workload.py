@@ -4,7 +4,9 @@ Phase ``code+prose`` alternates the code and prose files: the domains the shippe
 trained on. Phase ``math`` is the deployment's shift: the shipped math prompts, then, past their
 count, fresh word problems from the same generator (``training_job.data.math_problems``, seeded,
 none equal to a shipped one), so no prompt is sent twice and the drafter never meets a
-repeated prompt it could memorise.
+repeated prompt it could memorise. Phase ``code+prose again`` sends the first phase's first
+prompts once more after the last round (nothing trains on them then), so the same prompts show
+what the math rounds did to the first domains.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from ..assets import workload_path
 
 FIRST_PHASE = "code+prose"
 SHIFT_PHASE = "math"
+#: After the last round: the first phase's first prompts again, on the final version.
+REPLAY_PHASE = "code+prose again"
 #: Seed of the extra math problems (not the seed of the shipped held-out set).
 EXTRA_MATH_SEED = 7331
 

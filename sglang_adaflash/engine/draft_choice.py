@@ -46,6 +46,14 @@ class DraftChoice:
         self.forced_charge: tuple[float, float, float, float] | None = None
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
+        # the last choice's plan, for an engine that drafts by it (lengths_from="history"):
+        self.lengths: torch.Tensor | None = None  # [bs] long on the host: planned verify lengths
+        self.rate: torch.Tensor | None = None  # [bs] the posterior survival the plan read
+
+    def replan(self) -> None:
+        """Plan afresh at the next step: a standing "draft nobody" plan is void (the evidence it
+        stood on was dropped, or the drafter changed)."""
+        self._quiet_plan, self._quiet_steps = None, 0
 
     @property
     def max_pending(self) -> int:
@@ -93,7 +101,8 @@ class DraftChoice:
             draw, self.block_size, cost.plan_cost(),
             min_len=self.min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
         )
-        planned = lens.cpu() > 1
+        self.lengths, self.rate = lens.cpu(), rate
+        planned = self.lengths > 1
         chosen = planned | force
         # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
         force |= chosen & (draw > rate).cpu()

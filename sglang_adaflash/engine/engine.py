@@ -42,6 +42,10 @@ MODES = ("ar", "dflash", "adaflash")
 # this they are projected at prefill (4M floats: 16 MiB in float32 per request)
 _LAZY_PROMPT_ELEMENTS = 1 << 22
 LENGTH_RULES = ("load_aware", "paper")
+# Where adaflash's load-aware verify lengths come from: each request's verification history
+# alone, planned before drafting so the drafter computes only the slots verified ("history"), or
+# the history plus the length head's reading of the whole drafted block ("head").
+LENGTH_SOURCES = ("history", "head")
 
 
 @dataclass
@@ -130,6 +134,7 @@ class SpecEngine:
         probe_every: int = 16,
         probe_share: float = 0.02,
         explore: bool = False,
+        lengths_from: str = "head",
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
@@ -143,7 +148,14 @@ class SpecEngine:
         nothing, up to 4 * probe_every, and resets when one accepts) as far as a credit of
         `probe_share` of the plain steps' cost pays for it (1.0: probe whenever due). With
         `explore` the draft-or-not plan reads a draw from each request's survival posterior
-        rather than its mean, so a request whose evidence is thin or mixed keeps being tried."""
+        rather than its mean, so a request whose evidence is thin or mixed keeps being tried.
+
+        `lengths_from` (adaflash, load-aware rule with draft-off): "head" drafts the whole block
+        and plans lengths from the length head's reading of it, calibrated by each request's
+        history; "history" plans them from the history alone, before drafting, and the drafter
+        then computes only the slots that will be verified (its proposals are the whole block's
+        at those slots: every slot still gives keys and values). docs/engine.md says which pays
+        where."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -155,6 +167,8 @@ class SpecEngine:
             )
         if length_rule not in LENGTH_RULES:
             raise ValueError(f"length_rule must be one of {LENGTH_RULES}, got {length_rule!r}")
+        if lengths_from not in LENGTH_SOURCES:
+            raise ValueError(f"lengths_from must be one of {LENGTH_SOURCES}, got {lengths_from!r}")
         self.target, self.drafter, self.mode = target, drafter, mode
         self.block_size = drafter.config.block_size if drafter is not None else 1
         if proposer is not None:
@@ -178,6 +192,8 @@ class SpecEngine:
         adaptive = mode == "adaflash" and length_rule == "load_aware"
         posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
         self._draft_off = adaptive and draft_off and posterior is not None
+        # plan from history before drafting (needs the draft-off choice, which makes that plan)
+        self._plan_first = self._draft_off and lengths_from == "history"
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
         self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
@@ -277,6 +293,20 @@ class SpecEngine:
             raise ValueError("this engine decides whom to draft from a posterior (draft-off): assign a fresh "
                              "SurvivalPosterior to reset calibration, not None")
         self.choice.posterior = posterior
+
+    def drafter_swapped(self) -> None:
+        """A new drafter version serves from the next step on (hot reload, between steps).
+
+        The calibration's evidence was about the old version: a domain it failed on would stay
+        switched off, read only by probes, however much better the new one is there (the demo's
+        math after a round). So every request and domain starts cold again: first reads, then
+        the new version's own evidence. Requests in flight keep their drafter context (computed
+        by the old version; their proposals may suffer, never their output)."""
+        if self.posterior is not None:
+            self.posterior.forget()
+        self.choice.replan()
+        for seq in self.running:
+            seq.probe_gap = 0
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""
@@ -429,11 +459,20 @@ class SpecEngine:
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
         histories = [seqs[i].req.prompt_ids + seqs[i].output for i in drafted]
-        hidden = self.proposer.propose(last, ctx, histories, slots=drafted)  # [n, B, H]
         spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes,
                          forced_catch_up_seconds=forced_catch_up)
-        self._verify_lengths(spec, hidden, cap)
-        self._proposals(seqs, spec, hidden)
+        if self._plan_first:  # lengths first, then only the slots they verify
+            self._planned_lengths(spec, cap)
+            k = int(spec.lengths.max()) - 1
+            read = torch.arange(1, k + 1, device=self.device)[None].expand(len(drafted), k)
+            read_states = self.proposer.propose(last, ctx, histories, slots=drafted, read=read)  # [n, K, H]
+            hidden = read_states.new_zeros(len(drafted), k + 1, read_states.shape[-1])  # indexed by block slot
+            hidden[:, 1:] = read_states
+            self._proposals(seqs, spec, hidden)
+        else:
+            hidden = self.proposer.propose(last, ctx, histories, slots=drafted)  # [n, B, H]
+            self._verify_lengths(spec, hidden, cap)
+            self._proposals(seqs, spec, hidden)
         spec.draft_seconds = synced_time(self.device) - t0
         return spec
 
@@ -496,6 +535,17 @@ class SpecEngine:
         lens = plan_verify_lengths(full_ratio, self.block_size, rule="load_aware", cost=sunk, min_len=self._min_len,
                                    cap=row_cap.to(self.device), survival=survival, allow_off=allow_off.to(self.device))
         spec.lengths = lens.cpu()
+
+    def _planned_lengths(self, spec: SpecBatch, cap: torch.Tensor) -> None:
+        """Verify lengths from the draft-or-not plan the choice just made from each request's
+        history (lengths_from="history"): a planned row verifies its planned length, a forced
+        one (first read, probe) max(min_len, 2) slots, as in _verify_lengths."""
+        rows = torch.tensor(spec.drafted, dtype=torch.long)
+        planned = self.choice.lengths[rows]
+        forced = cap[rows].clamp(max=max(self._min_len, 2))
+        spec.lengths[rows] = torch.where(planned > 1, planned, forced).clamp(max=cap[rows])
+        # the plan's survival stands where the head's would: the posterior learns from history alone
+        spec.survival = spec.head_survival = self.choice.rate[rows.to(self.device)].float()
 
     def _cost(self, batch_size: int) -> StepCostModel:
         if self.cost_model is not None:
@@ -573,6 +623,7 @@ class SpecEngine:
 
         The LM head runs only on the slots each request will verify: the verify lengths are
         chosen from the block states alone, so proposals nobody checks are never computed.
+        hidden [n, >= K+1, H] is indexed by block slot.
         """
         bs, k = len(seqs), int(spec.lengths.max()) - 1
         spec.draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)

@@ -55,6 +55,7 @@ def make_engine(
     *,
     num_requests: int | None = None,
     batch_flag: str = "--max-batch-size",
+    lengths_from: str | None = None,
 ):
     """An engine whose caches fit: slots for at most the requests there are, and a clear refusal
     (CLIError) when even those would not fit in the device's free memory."""
@@ -83,6 +84,7 @@ def make_engine(
             from ..d2sd.cli import make_d2sd_engine
 
             return make_d2sd_engine(pair, slots, max_seq_len, seed)
+        extra = {} if lengths_from is None else {"lengths_from": lengths_from}
         return SpecEngine(
             pair.target,
             drafter,
@@ -90,6 +92,7 @@ def make_engine(
             max_batch_size=slots,
             max_seq_len=max_seq_len,
             seed=seed,
+            **extra,
         )
     except ValueError as e:
         raise CLIError(" ".join(str(e).split())) from None

@@ -75,6 +75,12 @@ class SurvivalPosterior:
         ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
         self.slot_domain[slots] = ids.to(self.slot_domain.device)
 
+    def forget(self) -> None:
+        """Drop every request's and domain's evidence (a new drafter now serves: what the old
+        one's proposals did says little about the new one's). Slots keep their domains."""
+        self.counts.zero_()
+        self.domain_counts.zero_()
+
     def move(self, src: int, dst: int) -> None:
         self.counts[dst] = self.counts[src]
         self.slot_domain[dst] = self.slot_domain[src]

@@ -210,6 +210,9 @@ class EngineLoop:
         t0 = time.perf_counter()
         swapped = self.reloader.at_step_boundary()
         if swapped is not None:
+            forget = getattr(self.engine, "drafter_swapped", None)
+            if forget is not None:  # the old version's acceptance history is not the new one's
+                forget()
             pause = time.perf_counter() - t0
             self.version = swapped
             self.swaps.append((swapped, pause))

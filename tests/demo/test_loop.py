@@ -67,7 +67,13 @@ def test_the_loop_serves_distils_reloads_and_checks_t0(pair, tmp_path, scratch, 
     assert rc == 0, (printed, s)
     assert s["failed_requests"] == 0 and s["poll_failures"] == 0 and s["children_failed"] == {}
     assert s["versions_loaded"][0] == "v000002"  # published by the follower, swapped in while serving
-    assert [p["name"] for p in doc["phases"]] == ["code+prose", "math"]
+    assert [p["name"] for p in doc["phases"]] == ["code+prose", "math", "code+prose again"]
+    # plain decoding answered every other prompt in the same run, and each cell has its ratio
+    assert s["plain_answers"] > 0
+    assert sum(a["server"] == "plain" for a in doc["answers"]) == s["plain_answers"]
+    assert any(r["vs_plain"] for r in doc["cells"] if r["phase"] == "math")
+    assert s["math_vs_plain_first_to_last"] and s["math_vs_plain_goal"]["goal"] == 1.3
+    assert set(s["first_domains_before_after"]) == {"code", "prose"}
     math_versions = {r["version"] for r in doc["cells"] if r["phase"] == "math" and "math" in r["tau"]}
     assert {"v000001", s["versions_loaded"][-1]} <= math_versions
     first = next(r for r in doc["cells"] if r["phase"] == "code+prose")
@@ -77,7 +83,8 @@ def test_the_loop_serves_distils_reloads_and_checks_t0(pair, tmp_path, scratch, 
     assert s["t0_equal_to_ar"] and doc["equality"]["compared"] == 3
     assert s["check_versions"] == [s["versions_loaded"][-1]]
     assert {v["version"] for v in doc["versions"]} >= {"v000001", "v000002"}
-    assert "EQUAL (3/3)" in printed and "tau math" in printed
+    assert "EQUAL (3/3)" in printed and "tau math" in printed and "vs ar math" in printed
+    assert "math speed against plain decoding" in printed
     assert (out / "closed_loop.png").stat().st_size > 0
     assert all(wait_dead(pid) for pid in child_pids(out))
     assert os.listdir(scratch) == []  # the temporary volume is gone
@@ -97,7 +104,7 @@ def test_both_children_are_stopped_when_the_demo_fails(pair, tmp_path, scratch, 
         with pytest.raises(RuntimeError, match="the client broke"):
             main(demo_argv(pair, out))
     pids = child_pids(out)
-    assert len(pids) == 2 and all(wait_dead(pid, 5) for pid in pids)
+    assert len(pids) == 3 and all(wait_dead(pid, 5) for pid in pids)
     assert os.listdir(scratch) == []
 
 
@@ -121,3 +128,31 @@ def test_the_verdict_fails_on_a_differing_token_or_a_failed_request(tmp_path, ca
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["equality"]["mismatches"][0]["first_difference"] == 1
     assert _finish(tmp_path, {"p": [1]}, {"p": [1]}, answers_ok=False) == 1
+
+
+def test_speed_is_a_ratio_to_plain_decoding_of_the_same_prompts_in_the_run():
+    """Each (phase, version, domain) cell's speed is the speculative answers' tokens/s over the
+    plain server's on the same prompts; plain answers never count as the drafter's tau."""
+    from sglang_adaflash.demo.report import cells, table
+
+    def spec(pid, domain, t0, t1, version, tokens=12, steps=4):
+        return Answer(pid, "math", domain, t0, t1, True, completion_tokens=tokens, fingerprint=version,
+                      by_version=[{"version": version, "decode_steps": steps, "committed_tokens": tokens}])
+
+    def plain(pid, domain, t0, t1, tokens=12):
+        return Answer(pid, "math", domain, t0, t1, True, completion_tokens=tokens, server="plain",
+                      by_version=[{"version": None, "decode_steps": tokens, "committed_tokens": tokens}])
+
+    answers = [spec("a", "math", 0.0, 1.0, "v1"), plain("a", "math", 1.0, 3.0),  # 12 vs 6 tok/s
+               spec("b", "math", 3.0, 4.0, "v1"), plain("b", "math", 4.0, 5.0),  # 12 vs 12
+               spec("c", "math", 5.0, 6.0, "v1"),  # unpaired: in tau, not in the ratio
+               spec("d", "math", 6.0, 7.0, "v2", steps=2), plain("d", "math", 7.0, 10.0)]  # 12 vs 4
+    phases = [{"name": "math", "start": 0.0, "end": 10.0}]
+    samples = [{"t": 0.0, "version": "v1"}, {"t": 6.0, "version": "v2"}]
+    rows = {r["version"]: r for r in cells(answers, phases, samples, 10.0)}
+    assert rows["v1"]["vs_plain"]["math"] == round((24 / 2) / (24 / 3), 3)  # 1.5
+    assert rows["v1"]["speed"]["math"]["pairs"] == 2
+    assert rows["v1"]["tau"]["math"] == 3.0  # 36 tokens over 12 steps: the plain answers left out
+    assert rows["v2"]["vs_plain"]["math"] == 3.0 and rows["v2"]["tau"]["math"] == 6.0
+    text = table(list(rows.values()), ["math"])
+    assert "vs ar math" in text and "1.50x" in text and "3.00x" in text

@@ -49,7 +49,8 @@ class OracleProposer:
         return out[len(hist): len(hist) + n]
 
     @torch.inference_mode()
-    def propose(self, last, ctx_lens, histories, slots=None):
+    def propose(self, last, ctx_lens, histories, slots=None, read=None):
+        """Block states [bs, B, H], or [bs, R, H] at block slots read [bs, R] (as DFlashProposer)."""
         b, vocab = self.block_size, self.target.vocab_size
         rows = []
         for hist in histories:
@@ -58,7 +59,8 @@ class OracleProposer:
             noise = torch.randint(0, vocab, (b - 1,), generator=self.gen)
             rows.append(torch.where(wrong, noise, out))
         self._props = torch.stack(rows)  # [bs, B-1]
-        return torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
+        states = torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
+        return states if read is None else states.gather(1, read[..., None].expand(-1, -1, states.shape[-1]))
 
     def proposal_logits(self, hidden, rows, slots):
         logits = torch.full((rows.numel(), self.target.vocab_size), -10.0, dtype=torch.float64)

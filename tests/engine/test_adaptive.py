@@ -425,3 +425,70 @@ def test_a_lazy_prompt_context_equals_the_eager_one(target, drafter, monkeypatch
     for rid in lazy:
         for (lk, lv), (ek, ev) in zip(lazy[rid], eager[rid]):
             assert torch.allclose(lk, ek, atol=1e-6) and torch.allclose(lv, ev, atol=1e-6), rid
+
+
+@pytest.mark.parametrize("lengths_from", ["history", "head"])
+def test_history_planned_steps_draft_only_the_slots_they_verify(target, drafter, lengths_from, monkeypatch):
+    """With lengths planned from history, each drafter forward computes the query side of the
+    block slots 1..max(L)-1 the step verifies and nothing else (the head's steps read the whole
+    block: the control), the LM head runs on the verified slots alone, and the output is ar's."""
+    from sglang_adaflash.engine.proposer import DFlashProposer
+
+    reads, heads = [], []
+    propose = DFlashProposer.propose
+    proposal_logits = DFlashProposer.proposal_logits
+
+    def spy(self, last, ctx, histories=None, slots=None, read=None):
+        reads.append(None if read is None else read.tolist())
+        return propose(self, last, ctx, histories, slots=slots, read=read)
+
+    def spy_logits(self, hidden, rows, slots):
+        heads.append(len(slots))
+        return proposal_logits(self, hidden, rows, slots)
+
+    monkeypatch.setattr(DFlashProposer, "propose", spy)
+    monkeypatch.setattr(DFlashProposer, "proposal_logits", spy_logits)
+    verified = []
+    commit = SpecEngine._commit
+
+    def spy_commit(self, seqs, spec, committed, result):
+        if spec.drafted:
+            verified.append([int(spec.lengths[i]) for i in spec.drafted])
+        return commit(self, seqs, spec, committed, result)
+
+    monkeypatch.setattr(SpecEngine, "_commit", spy_commit)
+    prompts = _prompts(4, seed=17)
+    cheap = StepCostModel(fixed=0.01, per_token=1e-4, per_draft=1e-4, draft_fixed=1e-4)  # drafting pays
+    eng = _engine(target, drafter, cost_model=cheap, lengths_from=lengths_from, probe_every=2, probe_share=1.0)
+    outs = eng.run([Request(p, SamplingParams(max_new_tokens=24)) for p in prompts])
+    assert [o.output_ids for o in outs] == _ar(target, prompts, 24)
+    assert len(reads) == len(verified) > 5
+    for read, lens in zip(reads, verified):
+        if lengths_from == "head":
+            assert read is None  # the whole block: the length head reads it
+            continue
+        width = max(lens) - 1
+        assert read == [list(range(1, width + 1))] * len(lens)
+    assert sum(heads) == sum(n - 1 for lens in verified for n in lens)  # proposals only where verified
+
+
+def test_a_swapped_drafter_is_read_afresh(target, drafter):
+    """After drafts failed long enough to be switched off, a hot-reloaded drafter must not
+    inherit that verdict: drafter_swapped() drops the evidence and the next step reads the
+    drafter again (a first read). Control: without it the rows stay undrafted."""
+    prompts = _prompts(3, seed=29)
+
+    def undrafted_after(swap: bool) -> list[bool]:
+        eng = _engine(target, drafter, probe_every=64, probe_share=0.0)
+        for p in prompts:
+            eng.submit(Request(p, SamplingParams(max_new_tokens=60)))
+        for _ in range(20):
+            eng.step()
+        assert not any(seq.since_draft == 0 for seq in eng.running), "drafts must be switched off by now"
+        if swap:
+            eng.drafter_swapped()
+        eng.step()
+        return [seq.since_draft == 0 for seq in eng.running]
+
+    assert any(undrafted_after(swap=True))
+    assert not any(undrafted_after(swap=False))

@@ -26,6 +26,8 @@ def _hf_greedy(target, prompt, n):
 
 
 def _run(target, drafter, mode, prompts, max_new, batch, proposer=None, **kw):
+    if mode == "adaflash-history":  # lengths planned from history before drafting; only those slots drafted
+        mode, kw = "adaflash", {**kw, "lengths_from": "history"}
     eng = SpecEngine(target, drafter, mode=mode, max_batch_size=batch, max_seq_len=128, proposer=proposer,
                      cost_model=StepCostModel(0.01, 0.001), **kw)
     outs = eng.run([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new)])
@@ -53,7 +55,7 @@ def test_llama_target_is_lossless():
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
 
 
-@pytest.mark.parametrize("mode", ["dflash", "adaflash"])
+@pytest.mark.parametrize("mode", ["dflash", "adaflash", "adaflash-history"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculative_equals_ar_with_joins(target, drafter, mode, batch):
     """Mixed prompt and output lengths; batch < requests, so requests join mid-run."""
@@ -64,7 +66,7 @@ def test_speculative_equals_ar_with_joins(target, drafter, mode, batch):
     assert [o.output_ids for o in spec] == ar
 
 
-@pytest.mark.parametrize("mode", ["dflash", "adaflash"])
+@pytest.mark.parametrize("mode", ["dflash", "adaflash", "adaflash-history"])
 def test_partially_correct_drafts_stay_lossless(target, drafter, mode):
     """An oracle drafter with injected mistakes: many multi-token accepts, still exact."""
     prompts = _prompts(6, seed=11)

@@ -149,6 +149,8 @@ def _always_accept(draft_ids, q, p, num_candidates, generator=None):
 
 
 def _engine_samples(mode, sp, n=5000, **kw):
+    if mode == "adaflash-history":  # lengths planned from history before drafting; only those slots drafted
+        mode, kw = "adaflash", {**kw, "lengths_from": "history"}
     target = tiny_target(seed=5, vocab=VOCAB, layers=2)
     drafter = tiny_drafter(seed=6, vocab=VOCAB, block_size=BLOCK, target_layers=2)
     # verified tokens nearly free: whole blocks are worth verifying, so every position is reached
@@ -163,7 +165,7 @@ def _engine_samples(mode, sp, n=5000, **kw):
     return target, samples, greedy_outs, deep
 
 
-@pytest.mark.parametrize("mode", ["dflash", "adaflash"])
+@pytest.mark.parametrize("mode", ["dflash", "adaflash", "adaflash-history"])
 @pytest.mark.parametrize("wrong", [False, True])
 def test_every_verified_position_follows_the_target(mode, wrong, monkeypatch):
     """Whole blocks accepted (proposals 1..B-1 and the bonus), greedy rows in the same batches;

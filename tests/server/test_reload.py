@@ -221,3 +221,22 @@ def test_joint_drafting_follows_a_hot_reload(pair, tmp_path, live_server, shared
     if shared:
         assert engine.recovery.fc is engine.drafter.fc
         torch.testing.assert_close(joint._weights()["fc"][1], engine.drafter.fc.weight.t())
+
+
+def test_a_swap_makes_the_engine_forget_the_old_drafters_acceptance():
+    """The engine loop tells the engine when a new version is swapped in between two steps, so
+    the calibration reads the new drafter afresh (SpecEngine.drafter_swapped)."""
+    from types import SimpleNamespace
+
+    from sglang_adaflash.server.engine_loop import EngineLoop
+
+    calls = []
+    engine = SimpleNamespace(block_size=1, drafter_swapped=lambda: calls.append("forgot"))
+    versions = iter(["v000002", None])
+    reloader = SimpleNamespace(status=SimpleNamespace(loaded_version="v000001"),
+                               at_step_boundary=lambda: next(versions))
+    loop = EngineLoop(engine, capacity=1, post=lambda fn: fn(), reloader=reloader)
+    loop._boundary()
+    assert calls == ["forgot"] and loop.version == "v000002"
+    loop._boundary()  # nothing swapped: nothing forgotten
+    assert calls == ["forgot"]

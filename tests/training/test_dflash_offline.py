@@ -150,3 +150,24 @@ def test_teacher_logits_read_the_position_before_each_slot():
     got = block_teacher_logits(Target(), states, b)[..., 0]
     assert got[0].tolist() == [1, 2, 3, 4]  # anchor 2: positions 1..4
     assert got[1].tolist() == [12, 13, 14, 15]  # sequence 1, anchor 5: positions 4..7
+
+
+def test_loss_slots_keep_what_weighs_and_read_the_same_states():
+    from training_job.dflash_offline import loss_slots
+
+    assert loss_slots(16, 7.0) == 16  # the published weighting keeps the whole block
+    assert loss_slots(16, 2.0) == 11  # exp(-9/2) >= 0.01 > exp(-10/2)
+    assert loss_slots(4, 0.1) == 2  # never fewer than slot 0 and one proposal
+    torch.manual_seed(0)
+    from transformers import Qwen3Config
+
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    d = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=6), MASK).eval()
+    d.share_target_modules(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    ids = torch.randint(8, 64, (1, 16))
+    b = make_blocks(ids, [16], [[3, 8]], 6, MASK)
+    feats = torch.randn(1, 16, 64)
+    full = drafter_forward(d, feats, b)
+    lead = drafter_forward(d, feats, b, slots=4)
+    assert lead.shape == (2, 4, 32) and torch.allclose(lead, full[:, :4], atol=1e-6)

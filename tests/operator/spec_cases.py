@@ -31,6 +31,11 @@ REFUSED = [
      "must not exceed autoscaling.maxReplicas"),
     ({"distillation": {"backoffSeconds": 100, "maxBackoffSeconds": 10}},
      "maxBackoffSeconds must be >="),
+    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOncePod"}, **RWOP_JOBS_OFF,
+      "drafter": {"bootstrap": {"source": "Train"}}}, "ReadWriteOncePod lets one pod"),
+    ({"distillation": {"nodes": 2}, "storage": {"accessMode": "ReadWriteOnce"}},
+     "distillation.nodes > 1"),
+    ({"drafter": {"bootstrap": {"source": "Import"}}}, "bootstrap.path must be set"),
     ({"storage": {"size": "0Gi"}}, "storage.size"),
     ({"retention": {"schedule": "daily"}}, "retention.schedule"),
     ({"storage": {"existingClaim": "Not_A_Name"}}, "existingClaim"),
@@ -48,6 +53,10 @@ ACCEPTED = [
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"retention": {"schedule": "@daily"}},
     {"storage": {"size": "0.5Ti"}},
+    {"distillation": {"nodes": 2}, "storage": {"existingClaim": "nfs"}},
+    {"drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}},
+    {"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"},
+     "drafter": {"bootstrap": {"source": "Train"}}},
 ]
 
 

@@ -43,6 +43,75 @@ SINGLE_NODE_RULE = {
                "(every serving pod and the distillation Job mount the volume): use "
                "ReadWriteMany",
 }
+# Cross-field rules the API server checks (CEL) and the operator re-checks (spec.py) for objects
+# written past an old CRD. Each one refuses a spec that would otherwise be refused later, by the
+# API server on a child or by the scheduler, where nobody sees it.
+SPEC_RULES = [
+    SINGLE_NODE_RULE,
+    {"rule": "has(self.storage.existingClaim) || self.storage.accessMode != 'ReadWriteOncePod' "
+             "|| (!self.distillation.enabled && !self.retention.enabled && "
+             "!(has(self.drafter) && has(self.drafter.bootstrap)))",
+     "message": "storage.accessMode ReadWriteOncePod lets one pod mount the claim, and the "
+                "serving pod holds it: distillation Jobs, the bootstrap Job and the retention "
+                "CronJob could never start. Use ReadWriteOnce (they are placed on the serving "
+                "pod's node) or ReadWriteMany, or disable distillation and retention and drop "
+                "drafter.bootstrap"},
+    {"rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+             "self.serving.updateStrategy.type == 'Recreate' || "
+             "string(self.serving.updateStrategy.maxSurge).matches('^0+%?$')",
+     "message": "serving.updateStrategy.maxSurge must be 0 with a ReadWriteOnce or "
+                "ReadWriteOncePod claim: the surge pod cannot mount the claim the old pod "
+                "holds, so the update would never finish"},
+    {"rule": "!has(self.autoscaling) || !self.autoscaling.enabled || "
+             "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+             "self.autoscaling.maxReplicas <= 1",
+     "message": "autoscaling.maxReplicas must be 1 with a ReadWriteOnce or ReadWriteOncePod "
+                "claim (one serving pod): use ReadWriteMany to scale out"},
+    {"rule": "!has(self.autoscaling) || self.autoscaling.minReplicas <= "
+             "self.autoscaling.maxReplicas",
+     "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"},
+    {"rule": "self.distillation.maxBackoffSeconds >= self.distillation.backoffSeconds",
+     "message": "distillation.maxBackoffSeconds must be >= distillation.backoffSeconds"},
+    MULTI_NODE_RULE,
+    {"rule": "!has(self.drafter) || !has(self.drafter.bootstrap) || "
+             "self.drafter.bootstrap.source != 'Import' || has(self.drafter.bootstrap.path)",
+     "message": "drafter.bootstrap.path must be set with source Import: the checkpoint's "
+                "directory on the claim"},
+]
+# Deployment rules (apps/v1 validation) on serving.updateStrategy.
+# (The API server also checks them on the object's `{}` default, before nested defaults.)
+ROLLING_RULES = [
+    {"rule": "!has(self.maxSurge) || (type(self.maxSurge) == int ? self.maxSurge >= 0 : "
+             "string(self.maxSurge).matches('^[0-9]+%$'))",
+     "message": "maxSurge must be a non-negative integer or a percentage such as '25%'"},
+    {"rule": "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? "
+             "self.maxUnavailable >= 0 : "
+             "string(self.maxUnavailable).matches('^0*([0-9]{1,2}|100)%$'))",
+     "message": "maxUnavailable must be a non-negative integer or a percentage up to '100%'"},
+    {"rule": "!has(self.type) || !has(self.maxSurge) || !has(self.maxUnavailable) || "
+             "self.type != 'RollingUpdate' || !(string(self.maxSurge).matches('^0+%?$') && "
+             "string(self.maxUnavailable).matches('^0+%?$'))",
+     "message": "maxSurge and maxUnavailable may not both be 0: no pod could ever be replaced "
+                "(the Deployment API refuses it)"},
+]
+# A claim can grow, never shrink (the API server refuses a smaller request).
+SIZE_PATTERN = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]*\.[0-9]*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+SIZE_RULES = [{"rule": "quantity(self).compareTo(quantity(oldSelf)) >= 0",
+               "message": "storage.size cannot shrink: a claim only grows (lower it by moving "
+                          "to a new claim)"}]
+# Requests at most the limits, every value a quantity (the pod API refuses the rest).
+# (Each value is checked to be a quantity where it is declared: crds._QUANTITY.)
+RESOURCE_RULES = [
+    {"rule": "!has(self.requests) || !has(self.limits) || self.requests.all(k, "
+             "!(k in self.limits) || !isQuantity(string(self.requests[k])) || "
+             "!isQuantity(string(self.limits[k])) || quantity(string(self.requests[k]))"
+             ".compareTo(quantity(string(self.limits[k]))) <= 0)",
+     "message": "a request may not exceed its limit (the pod API refuses it)"},
+]
+QUANTITY_MESSAGE = "must be a quantity, e.g. 8, 500m, 64Gi"
+CRON_PATTERN = (r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|"
+                r"[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+)$")
+DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 def _str(desc: str, default: str | None = None, pattern: str | None = None, **kw: Any) -> Schema:
@@ -86,12 +155,14 @@ def _bool(desc: str, default: bool | None = None) -> Schema:
 
 
 def _obj(desc: str, props: dict[str, Schema], required: list[str] | None = None,
-         default: dict | None = None) -> Schema:
+         default: dict | None = None, rules: list[dict] | None = None) -> Schema:
     s: Schema = {"type": "object", "description": desc, "properties": props}
     if required:
         s["required"] = required
     if default is not None:
         s["default"] = default
+    if rules:
+        s["x-kubernetes-validations"] = rules
     return s
 
 
@@ -131,11 +202,19 @@ _CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and Dist
     required=["type", "status"],
 ))
 
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+# maxLength and maxProperties bound the estimated cost of the CEL rules that read them.
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "maxLength": 32,
+             "x-kubernetes-validations": [{"rule": "isQuantity(string(self))",
+                                           "message": QUANTITY_MESSAGE}]}
 _RESOURCES = _obj("CPU and memory requests and limits (a core/v1 ResourceRequirements subset).", {
-    "requests": _map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY),
-    "limits": _map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY),
+    "requests": {**_map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY), "maxProperties": 8},
+    "limits": {**_map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY), "maxProperties": 8},
 })
+_RESOURCES["x-kubernetes-validations"] = RESOURCE_RULES
+_NAME = {"type": "string", "pattern": DNS_NAME_PATTERN, "maxLength": 253}
+_PULL_SECRETS = {**_list("Names of Secrets in the namespace to pull images with.", _NAME),
+                 "maxItems": 16}
 
 SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", {
     "model": _obj("The target model.", {
@@ -157,6 +236,34 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
         "startupSeconds": _int("How long model loading may take before the pod is restarted.",
                                1800, 60, 86400),
+        "imagePullSecrets": _PULL_SECRETS,
+        "affinity": _free("Affinity of the serving pods (core/v1 Affinity)."),
+        "priorityClassName": _str("PriorityClass of the serving pods.", pattern=DNS_NAME_PATTERN),
+        "topologySpreadConstraints": _list(
+            "How serving pods spread (core/v1 TopologySpreadConstraint; labelSelector defaults "
+            "to the serving pods). Omitted: a soft spread over nodes and zones; []: none.",
+            _free("A topology spread constraint.")),
+        "podDisruptionBudget": _obj("The PodDisruptionBudget of the serving pods (drains and "
+                                    "evictions wait for it).", {
+            "enabled": _bool("Create it.", True),
+            "maxUnavailable": _int_or_str("Serving pods a voluntary disruption may take at "
+                                          "once.", 1),
+        }, default={}),
+        "shutdown": _obj("Graceful termination of a serving pod.", {
+            "preStopSeconds": _int("Wait this long after the pod is marked for deletion before "
+                                   "SGLang gets SIGTERM, so that endpoints stop sending it "
+                                   "requests.", 10, 0, 300),
+            "drainSeconds": _int("Then how long SGLang may take to finish the generations in "
+                                 "flight (its SIGTERM drain); terminationGracePeriodSeconds is "
+                                 "preStopSeconds + drainSeconds.", 300, 0, 86400),
+        }, default={}),
+        "networkPolicy": _obj("A NetworkPolicy on the serving port, which the inference API "
+                              "and the admin route share.", {
+            "enabled": _bool("Create it: only the peers in `from` (default: the pods of "
+                             "this namespace) may connect.", False),
+            "from": _list("Who may connect (core/v1 NetworkPolicyPeer, e.g. your gateway's "
+                          "namespace).", _free("A NetworkPolicyPeer.")),
+        }, default={}),
         "logTraffic": _bool("Log finished requests (full prompt and output text: SGLang has no "
                             "ids-only level) to the shared volume for distillation. Off by "
                             "default; distillation has no traffic without it.", False),
@@ -166,11 +273,14 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
             "maxSurge": _int_or_str("Extra pods during a rolling update (each needs its GPUs).",
                                     0),
             "maxUnavailable": _int_or_str("Pods that may be down during a rolling update.", 1),
-        }, default={}),
+        }, default={}, rules=ROLLING_RULES),
     }, required=["image"]),
     "storage": _obj("The shared volume (ADAFLASH_HOME).", {
-        "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one."),
-        "size": _str("Size of the created claim.", "200Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"),
+        "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one.",
+                              pattern=DNS_NAME_PATTERN),
+        "size": {**_str("Size of the created claim; it can grow (if its storage class allows "
+                        "expansion), never shrink.", "200Gi", pattern=SIZE_PATTERN),
+                 "x-kubernetes-validations": SIZE_RULES},
         "storageClassName": _str("Storage class of the created claim (must support the access mode)."),
         "accessMode": _str("Access mode: serving pods and Jobs on several nodes need ReadWriteMany.",
                            "ReadWriteMany", enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]),
@@ -216,6 +326,23 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "extraArgs": _list("Extra arguments for training_job.distill.", {"type": "string"}),
         "nodeSelector": _map("Node selector.", {"type": "string"}),
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
+        "imagePullSecrets": {**_PULL_SECRETS, "description": "Image pull Secrets of the Jobs. "
+                             "Default: serving.imagePullSecrets."},
+        "affinity": _free("Affinity of the Jobs (core/v1 Affinity). Default: serving.affinity."),
+        "priorityClassName": _str("PriorityClass of the Jobs and the retention CronJob.",
+                                  pattern=DNS_NAME_PATTERN),
+    }, default={}),
+    "autoscaling": _obj("Scale the serving pods on queue depth (spec.replicas is then the "
+                        "autoscaler's).", {
+        "enabled": _bool("Create a HorizontalPodAutoscaler (or a KEDA ScaledObject, when KEDA "
+                         "is installed and prometheusAddress is set).", False),
+        "minReplicas": _int("Fewest serving pods.", 1, 1, 512),
+        "maxReplicas": _int("Most serving pods.", 4, 1, 512),
+        "targetQueueDepth": _int("Queued requests per serving pod to aim for.", 8, 1, 100000),
+        "metric": _str("The per-pod queue-depth metric, as the custom metrics API (HPA) or "
+                       "Prometheus (KEDA) names it.", "sglang:num_queue_reqs", minLength=1),
+        "prometheusAddress": _str("Prometheus URL for KEDA's prometheus trigger, e.g. "
+                                  "http://prometheus.monitoring:9090. Empty: an HPA."),
     }, default={}),
     "rollout": _obj("How a new drafter version reaches the fleet.", {
         "minTauGain": _num("Evaluation gate: candidate held-out tau must be at least the serving "
@@ -235,10 +362,11 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "trafficDays": _int("Delete traffic logs older than this many days.", 30, 1),
         "keepVersions": _int("Keep this many newest drafter versions (the fleet's, the pinned "
                              "and the initial one are always kept).", 10, 2),
-        "schedule": _str("Cron schedule of the pruning Job.", "17 3 * * *", minLength=1),
+        "schedule": _str("Cron schedule of the pruning Job.", "17 3 * * *",
+                         pattern=CRON_PATTERN),
     }, default={}),
 }, required=["model", "serving"])
-SERVICE_SPEC["x-kubernetes-validations"] = [SINGLE_NODE_RULE, MULTI_NODE_RULE]
+SERVICE_SPEC["x-kubernetes-validations"] = SPEC_RULES
 
 _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "version": _str("Version being rolled out."),
@@ -248,6 +376,8 @@ _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "startedAt": _str("When the canary started.", format="date-time"),
     "loadedAt": _str("When every canary pod had loaded the candidate.", format="date-time"),
     "baselineTau": _num("Fleet live tau when the canary started.", minimum=0),
+    "replacedPods": _int("Canary pods that went away (eviction, drain, rolling update) and "
+                         "were replaced during this rollout."),
     "reason": _str("Reason of the last transition."),
     "message": _str("Detail of the last transition."),
 })
@@ -443,9 +573,13 @@ def service_crd() -> dict:
                     _col("Serving", ".status.servingVersion", desc="Fleet drafter version"),
                     _col("Candidate", ".status.candidateVersion", desc="Version in rollout"),
                     _col("Latest", ".status.latestVersion", desc="Newest published version"),
-                    _col("Ready", ".status.readyReplicas", "integer", desc="Ready pods"),
+                    _col("Ready", '.status.conditions[?(@.type=="Ready")].status',
+                         desc="The Ready condition"),
+                    _col("Pods", ".status.readyReplicas", "integer", desc="Ready serving pods"),
                     _col("Replicas", ".spec.replicas", "integer", desc="Desired pods"),
                     _col("Tau", ".status.tau", "number", desc="Live acceptance length"),
+                    _col("Reason", '.status.conditions[?(@.type=="Ready")].reason', priority=1,
+                         desc="Why Ready is what it is"),
                     _col("Rollout", ".status.rollout.phase", priority=1),
                     _col("Age", ".metadata.creationTimestamp", "date"),
                 ], scale=True, rules=SERVICE_NAME_RULES)

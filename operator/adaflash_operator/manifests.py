@@ -5,6 +5,9 @@ Names, for an AdaFlashService `NAME`:
     NAME-drafter       ConfigMap with the fleet's drafter version and the blocked versions
     NAME-admin         Secret with the bearer token of the serving pods' admin endpoint
     NAME-serving       ServiceAccount, Role and RoleBinding of the serving pods
+    NAME-jobs          ServiceAccount of the Jobs and the CronJob (no permissions, no token)
+    NAME               PodDisruptionBudget, NetworkPolicy (policies.py), HPA or ScaledObject
+                       (autoscaling.py)
     NAME               Deployment and Service
     NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars);
                        with distillation.nodes > 1 an Indexed Job and a headless Service of the
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import contract as c
+from . import placement
 from .spec import ServiceSpec
 
 Manifest = dict[str, Any]
@@ -205,6 +209,19 @@ def service_account(owner: Manifest) -> Manifest:
     }
 
 
+def jobs_service_account(owner: Manifest) -> Manifest:
+    """The Jobs' and the CronJob's account: no RBAC binding and no token (they never call the
+    API), so that they do not run as the namespace's `default` account, which others may have
+    granted rights to."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(placement.jobs_account_name(name), ns, "distill", owner),
+        "automountServiceAccountToken": False,
+    }
+
+
 def role(owner: Manifest) -> Manifest:
     """Serving pods annotate themselves (loaded version, tau, errors, traffic count).
 
@@ -335,6 +352,15 @@ def _probe(path_: str, **kw: int) -> Manifest:
     return {"httpGet": {"path": path_, "port": "http"}, **kw}
 
 
+def _pre_stop(seconds: int) -> Manifest:
+    """A terminating pod keeps serving for `seconds` before SIGTERM: the endpoints controllers
+    and proxies need that long to stop routing new requests to it. SGLang then drains (it
+    answers 503 to its probes and finishes what it is generating)."""
+    if not seconds:
+        return {}
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", f"sleep {seconds}"]}}}}
+
+
 def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     pod_labels = {**labels(name, "serving"), **selector(name)}
@@ -354,6 +380,7 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
         "livenessProbe": _probe(LIVENESS_PROBE_PATH, periodSeconds=30,
                                 timeoutSeconds=LIVENESS_TIMEOUT_S, failureThreshold=3),
         "securityContext": CONTAINER_SECURITY,
+        **_pre_stop(spec.pre_stop_seconds),
         "volumeMounts": [
             {"name": "home", "mountPath": c.HOME},
             {"name": "fleet", "mountPath": f"{c.CONTROL_DIR}/fleet", "readOnly": True},
@@ -377,10 +404,9 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = list(spec.tolerations)
+    pod_spec.update(placement.serving_pod(spec, selector(name)))
+    # Shutdown: the preStop wait, then SGLang's own SIGTERM drain of the generations in flight.
+    pod_spec["terminationGracePeriodSeconds"] = spec.pre_stop_seconds + spec.drain_seconds
     if spec.strategy_type == "Recreate":
         strategy: Manifest = {"type": "Recreate"}
     else:  # no surge by default: a surge pod needs a spare GPU node
@@ -458,9 +484,11 @@ def launcher(gpus: int, nodes: int, jname: str, namespace: str, module: str, *,
 
 
 def _training_pod(name: str, spec: ServiceSpec, container: str, command: list[str],
-                  args: list[str], resources: dict, gpus: int) -> Manifest:
+                  args: list[str], resources: dict, gpus: int,
+                  claim_modes: list[str] | None) -> Manifest:
     """Pod spec of the Jobs that train (distillation, bootstrap): the shared volume, the
-    termination message as the report, no API token, the serving pods' placement by default."""
+    termination message as the report, no API token, the Jobs' account, pull secrets,
+    affinity and priority, the serving pods' placement by default."""
     d = spec.distillation
     pod_spec: Manifest = {
         "restartPolicy": "Never",
@@ -489,13 +517,10 @@ def _training_pod(name: str, spec: ServiceSpec, container: str, command: list[st
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
     }
-    # Placement: the job's own, else the serving pods' (the GPU nodes they are allowed on).
-    node_selector = d.node_selector or spec.node_selector
-    tolerations = d.tolerations or spec.tolerations
-    if node_selector:
-        pod_spec["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        pod_spec["tolerations"] = list(tolerations)
+    # Placement: the job's own, else the serving pods' (the GPU nodes they are allowed on); on
+    # the serving pod's node when the claim is single-node.
+    modes = placement.spec_claim_modes(spec) if claim_modes is None else claim_modes
+    pod_spec.update(placement.job_pod(spec, selector(name), modes, name))
     return pod_spec
 
 
@@ -514,11 +539,12 @@ def _job_spec(pod_labels: dict, pod_spec: Manifest, deadline: int, nodes: int = 
 
 
 def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str,
-        *, jobset: bool = False) -> Manifest:
+        claim_modes: list[str] | None = None, *, jobset: bool = False) -> Manifest:
     """The distillation Job of a round: one pod (torchrun over its GPUs), or with
     ``distillation.nodes > 1`` an Indexed Job of that many pods whose torchruns meet at the
     first pod (c10d), found through the headless Service :func:`rendezvous_service` of the same
-    name; with ``jobset`` a JobSet instead, which makes its own headless Service."""
+    name; with ``jobset`` a JobSet instead, which makes its own headless Service. ``claim_modes``:
+    the shared claim's access modes as found (None: from the spec), for the placement."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     jname = job_name(name, round_, attempt)
     d = spec.distillation
@@ -527,7 +553,8 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
     pod_spec = _training_pod(name, spec, c.DISTILL_CONTAINER,
                              launcher(d.gpus, d.nodes, jname, ns, "training_job.distill",
                                       jobset=jobset),
-                             distill_args(spec, parent), d.resources or spec.resources, d.gpus)
+                             distill_args(spec, parent), d.resources or spec.resources, d.gpus,
+                             claim_modes)
     if d.nodes > 1:
         pod_spec["containers"][0]["ports"] = [{"name": "rendezvous",
                                                "containerPort": RENDEZVOUS_PORT}]
@@ -563,7 +590,8 @@ def bootstrap_args(spec: ServiceSpec) -> list[str]:
 IMPORT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 
 
-def bootstrap_job(owner: Manifest, spec: ServiceSpec, attempt: int) -> Manifest:
+def bootstrap_job(owner: Manifest, spec: ServiceSpec, attempt: int,
+                  claim_modes: list[str] | None = None) -> Manifest:
     """The Job that puts the first drafter (spec.drafter.initialVersion) on the volume: an
     import (one small process), or the offline recipe (one pod, torchrun over its GPUs)."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
@@ -573,7 +601,7 @@ def bootstrap_job(owner: Manifest, spec: ServiceSpec, attempt: int) -> Manifest:
     command = launcher(d.gpus if train else 0, 1, jname, ns, "training_job.bootstrap")
     pod_spec = _training_pod(name, spec, c.BOOTSTRAP_CONTAINER, command, bootstrap_args(spec),
                              (d.resources or spec.resources) if train else IMPORT_RESOURCES,
-                             d.gpus if train else 0)
+                             d.gpus if train else 0, claim_modes)
     pod_labels = {**labels(name, "bootstrap"), c.LABEL_DISTILL_JOB: jname}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _meta(jname, ns, "bootstrap", owner),
@@ -622,7 +650,8 @@ def drafter_version(owner: Manifest, report: Manifest, job_name_: str) -> Manife
     }
 
 
-def retention_cronjob(owner: Manifest, spec: ServiceSpec) -> Manifest:
+def retention_cronjob(owner: Manifest, spec: ServiceSpec,
+                      claim_modes: list[str] | None = None) -> Manifest:
     """A daily Job that prunes the shared volume (python -m adaflash_operator.retention):
     traffic older than retention.trafficDays, and drafter versions beyond the newest
     retention.keepVersions, never the fleet's, the pinned or the initial one, nor `latest`."""
@@ -657,10 +686,8 @@ def retention_cronjob(owner: Manifest, spec: ServiceSpec) -> Manifest:
         ],
     }
     # On the serving pods' nodes: a ReadWriteOnce volume is only there.
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = list(spec.tolerations)
+    modes = placement.spec_claim_modes(spec) if claim_modes is None else claim_modes
+    pod_spec.update(placement.retention_pod(spec, selector(name), modes, name))
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",

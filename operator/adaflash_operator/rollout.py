@@ -6,9 +6,13 @@ One rollout moves a candidate DrafterVersion through::
         |
         +--> Canary: ceil(canaryFraction * ready pods) pods get the pod annotation
              adaflash.io/desired-drafter-version=<v> and load it
-               |-- a pod reports a load error, is lost, or times out --> RolledBack
+               |-- a pod reports a load error, or times out --> RolledBack
+               |-- a canary pod goes away (eviction, drain, rolling update, scale-down): no
+               |   verdict on <v>; another ready pod takes its place and the canary starts
+               |   over (or, with none ready, <v> waits at the Gate as a candidate again)
                +--> Baking: every canary pod reports adaflash.io/loaded-drafter-version=<v>
-                      |-- load error / lost pod / live tau drop / no live tau --> RolledBack
+                      |-- load error / live tau drop / no live tau --> RolledBack
+                      |-- a canary pod goes away --> back to Canary, as above
                       +--> Promoted: the fleet ConfigMap names <v>; the annotations are removed
                            and the version is Serving, the previous one Retired.
 
@@ -271,16 +275,49 @@ def step(*, cfg: Rollout, pinned: str, serving: str, state: dict | None,
     return d
 
 
+def _replace_lost(d: Decision, state: dict, pods: list[PodInfo], lost: list[str],
+                  now: dt.datetime) -> Decision:
+    """Canary pods went away (evicted, drained, replaced by a rolling update, scaled down):
+    that says nothing about the version, so it is no rollback. Other ready pods take their
+    places and the canary starts over (load timeout and bake included); with no ready pod
+    to take over, the version goes back to the Gate as a candidate and waits for one."""
+    v = state["version"]
+    kept = [n for n in state.get("canaryPods") or [] if n not in lost]
+    spare = sorted(p.name for p in pods if p.ready and not p.override and p.name not in kept)
+    new = kept + spare[:len(lost)]
+    replaced = int(state.get("replacedPods") or 0) + len(lost)
+    msg = (f"canary pod(s) {', '.join(lost)} of {v} went away (evicted, drained or replaced); "
+           f"no verdict on {v}")
+    if not new:
+        msg += ": waiting for a ready pod to canary on"
+        d.state = {"version": v, "phase": "Gate", "reason": "CanaryPodLost", "message": msg,
+                   "replacedPods": replaced}
+        d.phases[v] = PhaseChange("Candidate", "CanaryPodLost", msg)
+        d.events.append(("Normal", "CanaryPodLost", msg))
+        return d
+    msg += f": the canary starts over on {', '.join(new)}"
+    desired = {p.name: p.desired for p in pods}
+    for name in new:
+        if desired.get(name) != v:
+            d.annotate[name] = v
+    d.state = {k: x for k, x in state.items() if k != "loadedAt"}
+    d.state.update(phase="Canary", canaryPods=new, startedAt=_ts(now), replacedPods=replaced,
+                   reason="CanaryPodReplaced", message=msg)
+    d.phases[v] = PhaseChange("Canary", "CanaryPodReplaced", msg, {"canaryPods": new})
+    d.events.append(("Normal", "CanaryPodReplaced", msg))
+    return d
+
+
 def _watch_canary(cfg: Rollout, d: Decision, state: dict, pods: list[PodInfo],
                   now: dt.datetime, serving: str) -> Decision:
     v = state["version"]
     canary = list(state.get("canaryPods") or [])
     by_name = {p.name: p for p in pods}
+    lost = [n for n in canary if n not in by_name]
+    if lost:
+        return _replace_lost(d, state, pods, lost, now)
     for name in canary:
-        p = by_name.get(name)
-        if p is None:
-            return _roll_back(d, state, pods, "CanaryPodLost",
-                              f"canary pod {name} disappeared while serving {v}")
+        p = by_name[name]
         if p.error and (p.error.startswith(v) or p.loaded != v):
             return _roll_back(d, state, pods, "LoadFailed",
                               f"pod {name} failed to load {v}: {p.error}")

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:Deprec
 # Owned by the AdaFlashService; the shared volume's claim is kept unless asked (CLAIM).
 CHILDREN = [("ConfigMap", "qwen-drafter"), ("ServiceAccount", "qwen-serving"),
             ("Role", "qwen-serving"), ("RoleBinding", "qwen-serving"), ("Deployment", "qwen"),
-            ("Service", "qwen"), ("CronJob", "qwen-retention"), ("Secret", "qwen-admin")]
+            ("Service", "qwen"), ("CronJob", "qwen-retention"), ("Secret", "qwen-admin"),
+            ("ServiceAccount", "qwen-jobs"), ("PodDisruptionBudget", "qwen")]
 CLAIM = ("PersistentVolumeClaim", "qwen-home")
 
 

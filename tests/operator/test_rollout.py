@@ -135,11 +135,10 @@ def test_stale_error_of_another_version_is_ignored_once_loaded() -> None:
     assert run(state=canary_state(), ps=ps).state["phase"] == "Baking"
 
 
-def test_load_timeout_and_lost_pod_roll_back() -> None:
+def test_load_timeout_rolls_back() -> None:
     d = run(state=canary_state(), now=T0 + dt.timedelta(seconds=31))
     assert d.state["reason"] == "LoadTimeout" and "p0" in d.state["message"]
-    d = run(state=canary_state(), ps=pods()[1:])
-    assert d.state["reason"] == "CanaryPodLost" and d.annotate == {}
+    assert d.phases["v000002"].phase == "RolledBack"
 
 
 def baking(**over) -> dict:
@@ -147,6 +146,36 @@ def baking(**over) -> dict:
 
 
 AFTER_BAKE = T0 + dt.timedelta(seconds=71)
+
+
+@pytest.mark.parametrize("state", [canary_state(), baking()])
+def test_a_lost_canary_pod_is_replaced_not_rolled_back(state: dict) -> None:
+    """Eviction, a drain or a rolling update took the canary pod: no verdict on the version.
+    Another ready pod takes over and the canary starts over, clocks included."""
+    later = T0 + dt.timedelta(seconds=50)
+    ps = [p for p in pods() if p.name != "p0"]  # p0 is gone
+    d = run(state=state, ps=ps, now=later)
+    assert d.state["phase"] == "Canary" and d.state["reason"] == "CanaryPodReplaced"
+    assert d.state["canaryPods"] == ["p1"] and d.annotate == {"p1": "v000002"}
+    assert d.state["startedAt"] == "2026-11-30T09:00:50Z" and "loadedAt" not in d.state
+    assert d.state["replacedPods"] == 1
+    assert d.phases["v000002"].phase == "Canary" and d.serving == "v000001"
+    assert all(ch.phase != "RolledBack" for ch in d.phases.values())
+    # The replacement loads the version: the bake starts then, with no timeout from before.
+    ps = [PodInfo(**{**p.__dict__, "loaded": "v000002", "desired": "v000002"})
+          if p.name == "p1" else p for p in ps]
+    d = run(state=d.state, ps=ps, now=later + dt.timedelta(seconds=20))
+    assert d.state["phase"] == "Baking"
+
+
+def test_a_lost_canary_with_no_pod_to_take_over_waits_at_the_gate() -> None:
+    d = run(state=canary_state(), ps=[PodInfo(name="p9", ready=False)])
+    assert d.state["phase"] == "Gate" and d.state["reason"] == "CanaryPodLost"
+    assert d.phases["v000002"].phase == "Candidate" and d.annotate == {}
+    # A pod becomes ready: the version is canaried again (still a candidate, same gate).
+    d = run(state=d.state, ps=pods(2), now=T0 + dt.timedelta(seconds=5))
+    assert d.state["phase"] == "Canary" and d.annotate == {"p0": "v000002"}
+    assert not any(e[1] == "GatePassed" for e in d.events)
 
 
 def test_bake_time_is_respected() -> None:

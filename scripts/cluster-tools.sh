@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the control plane the `apiserver` tests run (tests/cluster/) into DEST (default
 # .cache/tools): kube-apiserver, kube-controller-manager and kube-scheduler from k8s.io/kubernetes,
-# etcd from go.etcd.io/etcd/server/v3, and kwok from sigs.k8s.io/kwok (optional: the suite runs
-# without it). Versions are pinned by scripts/cluster-tools/go.mod and go.sum (kwok's by
+# etcd from go.etcd.io/etcd/server/v3, and kwok from sigs.k8s.io/kwok (the kubelet of the test
+# nodes). Versions are pinned by scripts/cluster-tools/go.mod and go.sum (kwok's by
 # scripts/cluster-tools/kwok/). Only the Go module proxy is used; Go's module and build caches are
 # reused, so a second run with the same pins does nothing and a changed pin rebuilds incrementally.
 # Cold, on 2 cores: see docs/operator.md ("Testing against a real API server").
@@ -17,7 +17,7 @@ nice_=${CLUSTER_TOOLS_NICE:-10}
 
 kube_version=$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' "$src/go.mod")
 stamp=$dest/.cluster-tools.$(cat "$0" "$src/go.mod" "$src/go.sum" "$src/kwok/go.mod" "$src/kwok/go.sum" | sha256sum | cut -c1-16)
-bins=(kube-apiserver kube-controller-manager kube-scheduler etcd)
+bins=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
 built() { for b in "${bins[@]}"; do [ -x "$dest/$b" ] || return 1; done; }
 if [ -f "$stamp" ] && built; then
   echo "cluster-tools: up to date in $dest ($kube_version)"
@@ -43,14 +43,9 @@ echo "cluster-tools: building Kubernetes $kube_version control plane and etcd in
   CGO_ENABLED=0 nice -n "$nice_" go build -mod=readonly -trimpath -ldflags "-s -w" \
     -o "$dest/etcd" go.etcd.io/etcd/server/v3
 )
-# kwok is optional: a failure here is reported, and the tests that need it skip.
-if (cd "$src/kwok" && CGO_ENABLED=0 nice -n "$nice_" go build -mod=readonly -trimpath \
-      -ldflags "-s -w" -o "$dest/kwok" sigs.k8s.io/kwok/cmd/kwok); then
-  :
-else
-  echo "cluster-tools: kwok did not build; the tests that need it will skip" >&2
-  rm -f "$dest/kwok"
-fi
+# kwok plays the kubelet of the test nodes (scheduled pods run, deleted ones go).
+(cd "$src/kwok" && CGO_ENABLED=0 nice -n "$nice_" go build -mod=readonly -trimpath \
+   -ldflags "-s -w" -o "$dest/kwok" sigs.k8s.io/kwok/cmd/kwok)
 rm -f "$dest"/.cluster-tools.*
 touch "$stamp"
 echo "cluster-tools: done in $(( $(date +%s) - start ))s" >&2

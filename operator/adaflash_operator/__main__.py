@@ -1,13 +1,19 @@
 """`python -m adaflash_operator`: run the operator, or print the CRDs.
 
     python -m adaflash_operator run [--namespace NS ...] [--metrics-port 8080] [--health-port 8081]
+                                    [--leader-elect --lease-namespace NS [--lease-name NAME]]
     python -m adaflash_operator crds [--out DIR]
+
+With --leader-elect, replicas share a Lease (leader.py) and only its holder runs the handlers;
+the others stand by and take over when it goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -23,6 +29,20 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--health-port", type=int, default=8081,
                      help="liveness endpoint port: GET /healthz (0: off)")
     run.add_argument("--verbose", action="store_true")
+    run.add_argument("--leader-elect", action="store_true",
+                     help="run only while holding the Lease (several replicas are then safe)")
+    run.add_argument("--lease-name", default="adaflash-operator")
+    run.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                     help="namespace of the Lease (default: $POD_NAMESPACE)")
+    run.add_argument("--identity", default=os.environ.get("POD_NAME") or
+                     f"{socket.gethostname()}-{os.getpid()}",
+                     help="this replica's name in the Lease (default: $POD_NAME)")
+    run.add_argument("--lease-duration", type=float, default=15.0,
+                     help="seconds a silent leader keeps the Lease")
+    run.add_argument("--renew-deadline", type=float, default=10.0,
+                     help="a leader that could not renew for this long stops")
+    run.add_argument("--retry-period", type=float, default=2.0,
+                     help="seconds between two attempts to take or renew the Lease")
     crds = sub.add_parser("crds", help="print the CRDs (or write them to --out)")
     crds.add_argument("--out", type=Path, help="directory to write one file per CRD into")
     return ap
@@ -42,9 +62,17 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write("---\n" + text)
         return 0
 
+    os.environ["ADAFLASH_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
+    if args.leader_elect:
+        if not args.lease_namespace:
+            ap_error = "--leader-elect needs --lease-namespace (or $POD_NAMESPACE)"
+            print(f"python -m adaflash_operator run: {ap_error}", file=sys.stderr)
+            return 2
+        from .elected import run_elected
+        return asyncio.run(run_elected(args))
+
     import kopf.cli
 
-    os.environ["ADAFLASH_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
     return kopf.cli.main(args=kopf_args(args), standalone_mode=False) or 0
 
 

@@ -30,6 +30,12 @@ SERVICE_NAME_RULES = [
      "message": "metadata.name must start with a letter and hold only lower-case letters, "
                 "digits and '-' (it names a Service: DNS-1035)"},
 ]
+MULTI_NODE_RULE = {
+    "rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+            "self.distillation.nodes <= 1",
+    "message": "distillation.nodes > 1 runs the Job's pods on several nodes, which all mount the "
+               "volume: use storage.accessMode ReadWriteMany",
+}
 SINGLE_NODE_RULE = {
     "rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
             "self.replicas <= 1",
@@ -37,6 +43,75 @@ SINGLE_NODE_RULE = {
                "(every serving pod and the distillation Job mount the volume): use "
                "ReadWriteMany",
 }
+# Cross-field rules the API server checks (CEL) and the operator re-checks (spec.py) for objects
+# written past an old CRD. Each one refuses a spec that would otherwise be refused later, by the
+# API server on a child or by the scheduler, where nobody sees it.
+SPEC_RULES = [
+    SINGLE_NODE_RULE,
+    {"rule": "has(self.storage.existingClaim) || self.storage.accessMode != 'ReadWriteOncePod' "
+             "|| (!self.distillation.enabled && !self.retention.enabled && "
+             "!(has(self.drafter) && has(self.drafter.bootstrap)))",
+     "message": "storage.accessMode ReadWriteOncePod lets one pod mount the claim, and the "
+                "serving pod holds it: distillation Jobs, the bootstrap Job and the retention "
+                "CronJob could never start. Use ReadWriteOnce (they are placed on the serving "
+                "pod's node) or ReadWriteMany, or disable distillation and retention and drop "
+                "drafter.bootstrap"},
+    {"rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+             "self.serving.updateStrategy.type == 'Recreate' || "
+             "string(self.serving.updateStrategy.maxSurge).matches('^0+%?$')",
+     "message": "serving.updateStrategy.maxSurge must be 0 with a ReadWriteOnce or "
+                "ReadWriteOncePod claim: the surge pod cannot mount the claim the old pod "
+                "holds, so the update would never finish"},
+    {"rule": "!has(self.autoscaling) || !self.autoscaling.enabled || "
+             "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+             "self.autoscaling.maxReplicas <= 1",
+     "message": "autoscaling.maxReplicas must be 1 with a ReadWriteOnce or ReadWriteOncePod "
+                "claim (one serving pod): use ReadWriteMany to scale out"},
+    {"rule": "!has(self.autoscaling) || self.autoscaling.minReplicas <= "
+             "self.autoscaling.maxReplicas",
+     "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"},
+    {"rule": "self.distillation.maxBackoffSeconds >= self.distillation.backoffSeconds",
+     "message": "distillation.maxBackoffSeconds must be >= distillation.backoffSeconds"},
+    MULTI_NODE_RULE,
+    {"rule": "!has(self.drafter) || !has(self.drafter.bootstrap) || "
+             "self.drafter.bootstrap.source != 'Import' || has(self.drafter.bootstrap.path)",
+     "message": "drafter.bootstrap.path must be set with source Import: the checkpoint's "
+                "directory on the claim"},
+]
+# Deployment rules (apps/v1 validation) on serving.updateStrategy.
+# (The API server also checks them on the object's `{}` default, before nested defaults.)
+ROLLING_RULES = [
+    {"rule": "!has(self.maxSurge) || (type(self.maxSurge) == int ? self.maxSurge >= 0 : "
+             "string(self.maxSurge).matches('^[0-9]+%$'))",
+     "message": "maxSurge must be a non-negative integer or a percentage such as '25%'"},
+    {"rule": "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? "
+             "self.maxUnavailable >= 0 : "
+             "string(self.maxUnavailable).matches('^0*([0-9]{1,2}|100)%$'))",
+     "message": "maxUnavailable must be a non-negative integer or a percentage up to '100%'"},
+    {"rule": "!has(self.type) || !has(self.maxSurge) || !has(self.maxUnavailable) || "
+             "self.type != 'RollingUpdate' || !(string(self.maxSurge).matches('^0+%?$') && "
+             "string(self.maxUnavailable).matches('^0+%?$'))",
+     "message": "maxSurge and maxUnavailable may not both be 0: no pod could ever be replaced "
+                "(the Deployment API refuses it)"},
+]
+# A claim can grow, never shrink (the API server refuses a smaller request).
+SIZE_PATTERN = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]*\.[0-9]*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+SIZE_RULES = [{"rule": "quantity(self).compareTo(quantity(oldSelf)) >= 0",
+               "message": "storage.size cannot shrink: a claim only grows (lower it by moving "
+                          "to a new claim)"}]
+# Requests at most the limits, every value a quantity (the pod API refuses the rest).
+# (Each value is checked to be a quantity where it is declared: crds._QUANTITY.)
+RESOURCE_RULES = [
+    {"rule": "!has(self.requests) || !has(self.limits) || self.requests.all(k, "
+             "!(k in self.limits) || !isQuantity(string(self.requests[k])) || "
+             "!isQuantity(string(self.limits[k])) || quantity(string(self.requests[k]))"
+             ".compareTo(quantity(string(self.limits[k]))) <= 0)",
+     "message": "a request may not exceed its limit (the pod API refuses it)"},
+]
+QUANTITY_MESSAGE = "must be a quantity, e.g. 8, 500m, 64Gi"
+CRON_PATTERN = (r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|"
+                r"[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+\s+[^\s]+)$")
+DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 def _str(desc: str, default: str | None = None, pattern: str | None = None, **kw: Any) -> Schema:
@@ -80,12 +155,14 @@ def _bool(desc: str, default: bool | None = None) -> Schema:
 
 
 def _obj(desc: str, props: dict[str, Schema], required: list[str] | None = None,
-         default: dict | None = None) -> Schema:
+         default: dict | None = None, rules: list[dict] | None = None) -> Schema:
     s: Schema = {"type": "object", "description": desc, "properties": props}
     if required:
         s["required"] = required
     if default is not None:
         s["default"] = default
+    if rules:
+        s["x-kubernetes-validations"] = rules
     return s
 
 
@@ -112,7 +189,7 @@ def _tau_map(desc: str) -> Schema:
 
 
 _CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and DistillationFailed, "
-                    "AdminOverride).", _obj(
+                    "BootstrapFailed, AdminOverride).", _obj(
     "A condition.",
     {
         "type": _str("Condition type."),
@@ -125,11 +202,19 @@ _CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and Dist
     required=["type", "status"],
 ))
 
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+# maxLength and maxProperties bound the estimated cost of the CEL rules that read them.
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "maxLength": 32,
+             "x-kubernetes-validations": [{"rule": "isQuantity(string(self))",
+                                           "message": QUANTITY_MESSAGE}]}
 _RESOURCES = _obj("CPU and memory requests and limits (a core/v1 ResourceRequirements subset).", {
-    "requests": _map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY),
-    "limits": _map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY),
+    "requests": {**_map("Requests, e.g. {cpu: 8, memory: 64Gi}.", _QUANTITY), "maxProperties": 8},
+    "limits": {**_map("Limits; nvidia.com/gpu comes from `gpus`.", _QUANTITY), "maxProperties": 8},
 })
+_RESOURCES["x-kubernetes-validations"] = RESOURCE_RULES
+_NAME = {"type": "string", "pattern": DNS_NAME_PATTERN, "maxLength": 253}
+_PULL_SECRETS = {**_list("Names of Secrets in the namespace to pull images with.", _NAME),
+                 "maxItems": 16}
 
 SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", {
     "model": _obj("The target model.", {
@@ -151,6 +236,34 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
         "startupSeconds": _int("How long model loading may take before the pod is restarted.",
                                1800, 60, 86400),
+        "imagePullSecrets": _PULL_SECRETS,
+        "affinity": _free("Affinity of the serving pods (core/v1 Affinity)."),
+        "priorityClassName": _str("PriorityClass of the serving pods.", pattern=DNS_NAME_PATTERN),
+        "topologySpreadConstraints": _list(
+            "How serving pods spread (core/v1 TopologySpreadConstraint; labelSelector defaults "
+            "to the serving pods). Omitted: a soft spread over nodes and zones; []: none.",
+            _free("A topology spread constraint.")),
+        "podDisruptionBudget": _obj("The PodDisruptionBudget of the serving pods (drains and "
+                                    "evictions wait for it).", {
+            "enabled": _bool("Create it.", True),
+            "maxUnavailable": _int_or_str("Serving pods a voluntary disruption may take at "
+                                          "once.", 1),
+        }, default={}),
+        "shutdown": _obj("Graceful termination of a serving pod.", {
+            "preStopSeconds": _int("Wait this long after the pod is marked for deletion before "
+                                   "SGLang gets SIGTERM, so that endpoints stop sending it "
+                                   "requests.", 10, 0, 300),
+            "drainSeconds": _int("Then how long SGLang may take to finish the generations in "
+                                 "flight (its SIGTERM drain); terminationGracePeriodSeconds is "
+                                 "preStopSeconds + drainSeconds.", 300, 0, 86400),
+        }, default={}),
+        "networkPolicy": _obj("A NetworkPolicy on the serving port, which the inference API "
+                              "and the admin route share.", {
+            "enabled": _bool("Create it: only the peers in `from` (default: the pods of "
+                             "this namespace) may connect.", False),
+            "from": _list("Who may connect (core/v1 NetworkPolicyPeer, e.g. your gateway's "
+                          "namespace).", _free("A NetworkPolicyPeer.")),
+        }, default={}),
         "logTraffic": _bool("Log finished requests (full prompt and output text: SGLang has no "
                             "ids-only level) to the shared volume for distillation. Off by "
                             "default; distillation has no traffic without it.", False),
@@ -160,11 +273,14 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
             "maxSurge": _int_or_str("Extra pods during a rolling update (each needs its GPUs).",
                                     0),
             "maxUnavailable": _int_or_str("Pods that may be down during a rolling update.", 1),
-        }, default={}),
+        }, default={}, rules=ROLLING_RULES),
     }, required=["image"]),
     "storage": _obj("The shared volume (ADAFLASH_HOME).", {
-        "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one."),
-        "size": _str("Size of the created claim.", "200Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"),
+        "existingClaim": _str("Use this PersistentVolumeClaim instead of creating one.",
+                              pattern=DNS_NAME_PATTERN),
+        "size": {**_str("Size of the created claim; it can grow (if its storage class allows "
+                        "expansion), never shrink.", "200Gi", pattern=SIZE_PATTERN),
+                 "x-kubernetes-validations": SIZE_RULES},
         "storageClassName": _str("Storage class of the created claim (must support the access mode)."),
         "accessMode": _str("Access mode: serving pods and Jobs on several nodes need ReadWriteMany.",
                            "ReadWriteMany", enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]),
@@ -176,12 +292,29 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
                                pattern=VERSION_PATTERN),
         "pinnedVersion": _str("Pin the fleet to this version: stops rollouts; set an older one to "
                               "roll back. Empty means follow the rollout.", pattern=r"^(v[0-9]{6})?$"),
+        "bootstrap": _obj("How the first drafter (initialVersion) gets onto an empty volume: a Job "
+                          "that imports or trains it before the serving pods start (they wait "
+                          "for it). Absent: the version must be put there by hand.", {
+            "source": _str("Import (a published DFlash checkpoint on the claim) or Train (the "
+                           "offline recipe on the target's own responses).",
+                           enum=["Import", "Train"]),
+            "path": _str("Import: the checkpoint directory; Train: a prompts file (JSON lines), "
+                         "or absent for the traffic on the volume. Relative to the claim's root.",
+                         pattern=r"^[^/].*$"),
+            "extraArgs": _list("Extra arguments for the import (adaflash drafters import) or the "
+                               "recipe (python -m training_job.dflash_offline).",
+                               {"type": "string"}),
+        }, required=["source"]),
     }, default={}),
     "distillation": _obj("On-policy distillation Jobs.", {
         "enabled": _bool("Start distillation Jobs.", True),
         "image": _str("Image of the training job (python -m training_job.distill). "
                       "Defaults to serving.image."),
-        "gpus": _int("nvidia.com/gpu for the Job.", 1, 0, 16),
+        "gpus": _int("nvidia.com/gpu per pod of the Job; above 1 the job runs under torchrun, a "
+                     "process per GPU.", 1, 0, 16),
+        "nodes": _int("Pods (nodes) of the Job; above 1 an Indexed Job (or a JobSet where the "
+                      "cluster has one) whose torchruns meet at the first pod. Needs a "
+                      "ReadWriteMany volume.", 1, 1, 64),
         "resources": _RESOURCES,
         "minNewRecords": _int("Start a round once this many new traffic records are logged.",
                               128, 1),
@@ -193,6 +326,23 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "extraArgs": _list("Extra arguments for training_job.distill.", {"type": "string"}),
         "nodeSelector": _map("Node selector.", {"type": "string"}),
         "tolerations": _list("Tolerations (core/v1 Toleration).", _free("A toleration.")),
+        "imagePullSecrets": {**_PULL_SECRETS, "description": "Image pull Secrets of the Jobs. "
+                             "Default: serving.imagePullSecrets."},
+        "affinity": _free("Affinity of the Jobs (core/v1 Affinity). Default: serving.affinity."),
+        "priorityClassName": _str("PriorityClass of the Jobs and the retention CronJob.",
+                                  pattern=DNS_NAME_PATTERN),
+    }, default={}),
+    "autoscaling": _obj("Scale the serving pods on queue depth (spec.replicas is then the "
+                        "autoscaler's).", {
+        "enabled": _bool("Create a HorizontalPodAutoscaler (or a KEDA ScaledObject, when KEDA "
+                         "is installed and prometheusAddress is set).", False),
+        "minReplicas": _int("Fewest serving pods.", 1, 1, 512),
+        "maxReplicas": _int("Most serving pods.", 4, 1, 512),
+        "targetQueueDepth": _int("Queued requests per serving pod to aim for.", 8, 1, 100000),
+        "metric": _str("The per-pod queue-depth metric, as the custom metrics API (HPA) or "
+                       "Prometheus (KEDA) names it.", "sglang:num_queue_reqs", minLength=1),
+        "prometheusAddress": _str("Prometheus URL for KEDA's prometheus trigger, e.g. "
+                                  "http://prometheus.monitoring:9090. Empty: an HPA."),
     }, default={}),
     "rollout": _obj("How a new drafter version reaches the fleet.", {
         "minTauGain": _num("Evaluation gate: candidate held-out tau must be at least the serving "
@@ -212,10 +362,11 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
         "trafficDays": _int("Delete traffic logs older than this many days.", 30, 1),
         "keepVersions": _int("Keep this many newest drafter versions (the fleet's, the pinned "
                              "and the initial one are always kept).", 10, 2),
-        "schedule": _str("Cron schedule of the pruning Job.", "17 3 * * *", minLength=1),
+        "schedule": _str("Cron schedule of the pruning Job.", "17 3 * * *",
+                         pattern=CRON_PATTERN),
     }, default={}),
 }, required=["model", "serving"])
-SERVICE_SPEC["x-kubernetes-validations"] = [SINGLE_NODE_RULE]
+SERVICE_SPEC["x-kubernetes-validations"] = SPEC_RULES
 
 _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "version": _str("Version being rolled out."),
@@ -225,6 +376,8 @@ _ROLLOUT_STATUS = _obj("The rollout in progress or last finished.", {
     "startedAt": _str("When the canary started.", format="date-time"),
     "loadedAt": _str("When every canary pod had loaded the candidate.", format="date-time"),
     "baselineTau": _num("Fleet live tau when the canary started.", minimum=0),
+    "replacedPods": _int("Canary pods that went away (eviction, drain, rolling update) and "
+                         "were replaced during this rollout."),
     "reason": _str("Reason of the last transition."),
     "message": _str("Detail of the last transition."),
 })
@@ -233,6 +386,7 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
     "round": _int("Rounds started so far."),
     "activeJob": _str("Name of the running Job, if any."),
     "activeJobPhase": _str("Pending (not scheduled or not started) or Running."),
+    "activeJobKind": _str("Job, or JobSet (a multi-node round on a cluster that has JobSet)."),
     "lastRoundAt": _str("When the last round started.", format="date-time"),
     "lastSuccessAt": _str("When a round last published a version.", format="date-time"),
     "consecutiveFailures": _int("Failed Jobs since the last success."),
@@ -244,8 +398,21 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
     "lastOutcome": _str("How the last Job ended: Published, NotEnoughRecords (too little new "
                         "traffic; not a failure) or Failed."),
     "lastOutcomeMessage": _str("Detail of lastOutcome."),
-    "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff)."),
+    "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff, "
+                       "Bootstrapping)."),
     "message": _str("Detail of idleReason."),
+})
+
+_BOOTSTRAP_STATUS = _obj("The first drafter's Job (spec.drafter.bootstrap).", {
+    "phase": _str("Running, Succeeded or Failed (retried after a backoff).",
+                  enum=["Running", "Succeeded", "Failed"]),
+    "job": _str("The bootstrap Job (the running or the last one)."),
+    "attempts": _int("Jobs started so far.", minimum=0),
+    "outcome": _str("What the last Job did: Imported, Trained, or Present (the version was "
+                    "there already)."),
+    "version": _str("The version it produced or found.", pattern=r"^(v[0-9]{6})?$"),
+    "message": _str("Detail of the last transition."),
+    "retryAfter": _str("No new Job before this time (backoff).", format="date-time"),
 })
 
 _POD_STATUS = _obj("What one serving pod reports.", {
@@ -257,6 +424,8 @@ _POD_STATUS = _obj("What one serving pod reports.", {
     "loadError": _str("Last load failure the pod reported."),
     "override": _str("Version an admin override (POST /adaflash/v1/drafter) asks this pod for; "
                      "the rollout does not steer the pod while it is set."),
+    "waitingForDrafter": _bool("The pod's init container waits for the fleet's drafter to "
+                               "appear on the shared volume."),
 })
 
 SERVICE_STATUS: Schema = _obj("Observed state.", {
@@ -272,8 +441,34 @@ SERVICE_STATUS: Schema = _obj("Observed state.", {
     "pods": _list("Per-pod drafter versions.", _POD_STATUS),
     "rollout": _ROLLOUT_STATUS,
     "distillation": _DISTILL_STATUS,
+    "bootstrap": _BOOTSTRAP_STATUS,
     "kopf": {"type": "object", "description": "Operator framework bookkeeping.",
              "x-kubernetes-preserve-unknown-fields": True},
+})
+
+_GATE = _obj("The Job's gate: candidate against parent on the same held-out prompts, with a "
+              "paired bootstrap over prompts for the noise and a per-domain floor.", {
+    "passed": _bool("Whether the candidate passed."),
+    "reason": _str("Passed, NoGain (the mean gain's lower bound is below minGain), DomainDrop "
+                   "(a domain dropped beyond its noise) or NoEvaluation.",
+                   enum=["Passed", "NoGain", "DomainDrop", "NoEvaluation"]),
+    "message": _str("The decision in words."),
+    "meanTau": _num("Candidate's mean held-out tau over domains.", minimum=0),
+    "parentMeanTau": _num("Parent's mean held-out tau over the same domains.", minimum=0),
+    "gain": _num("meanTau / parentMeanTau - 1."),
+    "gainLow": _num("Lower bound of the gain at the given confidence."),
+    "minGain": _num("Gain the lower bound had to reach."),
+    "confidence": _num("One-sided confidence of the bounds.", minimum=0, maximum=1),
+    "resamples": _int("Bootstrap resamples.", minimum=0),
+    "prompts": _int("Held-out prompts both versions decoded.", minimum=0),
+    "domains": _map("Per domain: its tau minus the parent's and the noise above it.", _obj(
+        "One domain.", {
+            "prompts": _int("Held-out prompts of the domain.", minimum=0),
+            "delta": _num("tau minus the parent's tau."),
+            "noise": _num("How far above delta the upper bound reaches."),
+            "floored": _bool("Enough prompts for the floor to apply."),
+            "dropped": _bool("Dropped beyond its noise (fails the gate)."),
+        })),
 })
 
 DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on the shared volume).", {
@@ -294,6 +489,7 @@ DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on t
     "eval": _obj("Held-out evaluation by the Job.", {
         "tau": _tau_map("Acceptance length by domain for this version."),
         "parentTau": _tau_map("Acceptance length by domain for the parent, same records."),
+        "gate": _GATE,
     }),
 }, required=["service", "version"])
 
@@ -305,6 +501,7 @@ DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
     "evalTau": _num("Mean held-out tau of this version.", minimum=0),
     "baselineTau": _num("Mean held-out tau it was gated against.", minimum=0),
     "liveTau": _num("Live tau of canary pods at the end of the bake.", minimum=0),
+    "gate": _GATE,
     "canaryPods": _list("Pods that served it as canary.", {"type": "string"}),
     "history": _list("Phase transitions, oldest first.", _obj("A transition.", {
         "phase": _str("Phase entered."), "reason": _str("Reason."),
@@ -376,9 +573,13 @@ def service_crd() -> dict:
                     _col("Serving", ".status.servingVersion", desc="Fleet drafter version"),
                     _col("Candidate", ".status.candidateVersion", desc="Version in rollout"),
                     _col("Latest", ".status.latestVersion", desc="Newest published version"),
-                    _col("Ready", ".status.readyReplicas", "integer", desc="Ready pods"),
+                    _col("Ready", '.status.conditions[?(@.type=="Ready")].status',
+                         desc="The Ready condition"),
+                    _col("Pods", ".status.readyReplicas", "integer", desc="Ready serving pods"),
                     _col("Replicas", ".spec.replicas", "integer", desc="Desired pods"),
                     _col("Tau", ".status.tau", "number", desc="Live acceptance length"),
+                    _col("Reason", '.status.conditions[?(@.type=="Ready")].reason', priority=1,
+                         desc="Why Ready is what it is"),
                     _col("Rollout", ".status.rollout.phase", priority=1),
                     _col("Age", ".metadata.creationTimestamp", "date"),
                 ], scale=True, rules=SERVICE_NAME_RULES)

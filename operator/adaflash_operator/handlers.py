@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import hashlib
-import json
 import logging
 import os
-import secrets
 from typing import Any
 
 import kopf
 
+from . import autoscaling, children, distill, kube, manifests, metrics, rollout
 from . import contract as c
-from . import distill, kube, manifests, metrics, rollout
 from . import spec as spec_mod
 from .conditions import get_condition, is_subset, replace_patch, set_condition
 
@@ -87,118 +84,11 @@ async def close(**_: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Children
+# Children (children.py applies them and reports what the API server refused)
 
-
-class Conflict(Exception):
-    """A child exists but another controller owns it."""
-
-
-# What the operator last applied to each child: (uid, digest of the applied object, the fields
-# the server says it owns). Unchanged on both sides: nothing to send. A field someone else took
-# over (kubectl edit) changes what we own, so drift is repaired; the server's own rewrites
-# ("1024Mi" -> "1Gi") change neither, so they cost no request.
-_applied: dict[tuple[str, str, str], tuple[str, str, str]] = {}
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _controller(obj: dict) -> dict | None:
-    owners = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return next((o for o in owners if o.get("controller")), None)
-
-
-async def ensure(desired: dict, owner_uid: str, adjust=None) -> dict:
-    """Create or update a child by server-side apply; raise Conflict if another controller
-    owns it. `adjust(desired, live)` may change what is applied to an existing child."""
-    meta = desired["metadata"]
-    kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
-    live = await kube.get(kind, ns, name)
-    if live is not None:
-        controller = _controller(live)
-        if controller is not None and controller.get("uid") != owner_uid:
-            raise Conflict(f"{kind} {ns}/{name} already exists and is controlled by "
-                           f"{controller.get('kind')} {controller.get('name')}; delete it or "
-                           f"rename the AdaFlashService")
-        if adjust is not None:
-            desired = adjust(desired, live)
-    key = (kind, ns, name)
-    digest = _digest(desired)
-    if live is not None and _applied.get(key) == (
-            live["metadata"].get("uid"), digest, _digest(kube.managed_fields(live))):
-        return live
-    result = await kube.apply(desired)
-    _applied[key] = (result["metadata"].get("uid"), digest,
-                     _digest(kube.managed_fields(result)))
-    return result
-
-
-def _keep_claim_spec(desired: dict, live: dict) -> dict:
-    """A bound claim's spec is immutable (but for growth): apply what it has."""
-    sp = live.get("spec") or {}
-    keep: dict = {"accessModes": sp.get("accessModes"),
-                  "resources": {"requests": {"storage": ((sp.get("resources") or {}).get(
-                      "requests") or {}).get("storage")}}}
-    if desired["spec"].get("storageClassName") and sp.get("storageClassName"):
-        keep["storageClassName"] = sp["storageClassName"]
-    return {**desired, "spec": keep}
-
-
-def _keep_fleet_version(desired: dict, live: dict) -> dict:
-    """The fleet version and the blocked versions in the ConfigMap belong to the rollout;
-    reconciling keeps them."""
-    data = live.get("data") or {}
-    keep = {}
-    if data.get(c.FLEET_VERSION_KEY):
-        keep[c.FLEET_VERSION_KEY] = data[c.FLEET_VERSION_KEY]
-    if c.BLOCKED_VERSIONS_KEY in data:
-        keep[c.BLOCKED_VERSIONS_KEY] = data[c.BLOCKED_VERSIONS_KEY]
-    return {**desired, "data": {**desired["data"], **keep}}
-
-
-# Admin Secrets this process created or found: (namespace, name, owner uid).
-_admin_secrets: set[tuple[str, str, str]] = set()
-
-
-async def ensure_admin_secret(owner: dict) -> None:
-    """Create the serving pods' admin token once. The operator may only create Secrets (it
-    reads none: least privilege), so an existing Secret of that name is kept as it is, which
-    also lets an administrator bring their own token. A deleted one comes back when the
-    operator restarts."""
-    meta = owner["metadata"]
-    key = (meta["namespace"], manifests.admin_secret_name(meta["name"]), meta["uid"])
-    if key in _admin_secrets:
-        return
-    try:
-        await kube.create(manifests.admin_secret(owner, secrets.token_urlsafe(32)))
-    except kube.ApiError as e:
-        if e.status != 409:
-            raise
-    _admin_secrets.add(key)
-
-
-async def reconcile_children(owner: dict, s: spec_mod.ServiceSpec) -> tuple[dict, dict]:
-    """Ensure every child; return (the Deployment, the ConfigMap's data: the fleet version and
-    the blocked versions)."""
-    uid = owner["metadata"]["uid"]
-    if not s.existing_claim:
-        await ensure(manifests.pvc(owner, s), uid, _keep_claim_spec)
-    cm = await ensure(manifests.configmap(owner, s.pinned_version or s.initial_version), uid,
-                      _keep_fleet_version)
-    data = dict(cm.get("data") or {})
-    data[c.FLEET_VERSION_KEY] = data.get(c.FLEET_VERSION_KEY) or s.initial_version
-    # Before the Deployment: its pods take the token from it (a pod whose Secret is missing
-    # does not start).
-    await ensure_admin_secret(owner)
-    await ensure(manifests.service_account(owner), uid)
-    await ensure(manifests.role(owner), uid)
-    await ensure(manifests.role_binding(owner), uid)
-    dep = await ensure(manifests.deployment(owner, s), uid)
-    await ensure(manifests.service(owner, s), uid)
-    await ensure(manifests.retention_cronjob(owner, s), uid)
-    return dep, data
+_controller = children.controller
+# A deleted admin Secret is noticed (and recreated) within this many seconds.
+SECRET_RECHECK_S = 3 * TICK
 
 
 def _owner(body: kopf.Body) -> dict:
@@ -239,18 +129,23 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     now = _ts(_now())
     gen = body["metadata"].get("generation")
     conds = list(status.get("conditions") or [])
-    try:
-        dep, fleet_data = await reconcile_children(owner, s)
-    except Conflict as e:
-        conds = set_condition(conds, "Degraded", True, "ChildConflict", str(e), now, gen)
-        conds = set_condition(conds, "Ready", False, "ChildConflict", str(e), now, gen)
-        patch.status["conditions"] = conds
-        metrics.RECONCILES.labels("conflict").inc()
-        raise kopf.TemporaryError(str(e), delay=30) from e
-    metrics.RECONCILES.labels("ok").inc()
+    # Asked with autoscaling off too: a ScaledObject left from when it was on must go.
+    keda = await kube.has_api(autoscaling.KEDA_API)
+    res = await children.reconcile(owner, s, secret_recheck_s=SECRET_RECHECK_S,
+                                   keda_served=keda)
+    patch.problems, patch.claim_modes = res.problems, res.claim_modes
+    metrics.RECONCILES.labels(res.problems[0].reason.removeprefix("Child").lower()
+                              if res.problems else "ok").inc()
+    if res.admin_secret_recreated:
+        kopf.warn(body, reason="AdminSecretRecreated", message=(
+            f"Secret {manifests.admin_secret_name(name)} was deleted; recreated with a new "
+            f"token. Pods started before keep the old one until they restart."))
+    fleet_data = res.fleet_data
     fleet = fleet_data[c.FLEET_VERSION_KEY]
+    # Serving pods: not the ones going away, nor evicted or otherwise terminated ones.
     pods = [p for p in await kube.list_("Pod", ns, manifests.selector(name))
-            if not (p.get("metadata") or {}).get("deletionTimestamp")]
+            if not (p.get("metadata") or {}).get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
     infos = [rollout.PodInfo.from_pod(p) for p in pods]
     ready = sum(1 for p in infos if p.ready)
     taus = [p.tau for p in infos if p.ready and p.tau is not None]
@@ -264,24 +159,73 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     patch.status["pods"] = [{k: v for k, v in {
         "name": p.name, "ready": p.ready, "desiredVersion": p.desired,
         "loadedVersion": p.loaded, "tau": p.tau, "loadError": p.error,
-        "override": p.override}.items() if v is not None}
-        for p in sorted(infos, key=lambda p: p.name)]
+        "override": p.override, "waitingForDrafter": p.waiting_for_drafter or None}.items()
+        if v is not None} for p in sorted(infos, key=lambda p: p.name)]
     conds = _override_condition(body, conds, infos, fleet, fleet_data.get(
         c.BLOCKED_VERSIONS_KEY) or "", now, gen)
-    if s.replicas == 0:
+    dep_problem = next((p for p in res.problems if p.kind == "Deployment"), None)
+    if dep_problem is not None:  # the pods do not follow this spec: not ready, whatever runs
+        conds = set_condition(conds, "Ready", False, dep_problem.reason,
+                              f"the serving Deployment was not applied: {dep_problem.message}",
+                              now, gen)
+    elif s.replicas == 0:
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
     elif ready >= s.replicas:
         conds = set_condition(conds, "Ready", True, "AllPodsReady",
                               f"{ready}/{s.replicas} serving pods ready", now, gen)
-    else:
-        conds = set_condition(conds, "Ready", False, "PodsNotReady",
-                              f"{ready}/{s.replicas} serving pods ready", now, gen)
+    elif any(p.waiting_for_drafter for p in infos):
+        conds = _drafter_missing(body, conds, s, fleet, status, ready, now, gen)
+    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for
+        why = children.serving_trouble(res.deployment, pods)
+        msg = f"{ready}/{s.replicas} serving pods ready" + (f" ({why})" if why else "")
+        conds = set_condition(conds, "Ready", False, "PodsNotReady", msg, now, gen)
+    conds = _child_condition(body, conds, res.problems, now, gen)
     patch.status["conditions"] = conds
     metrics.set_serving(ns, name, fleet)
-    if tau is not None:
-        metrics.LIVE_TAU.labels(ns, name).set(tau)
-    logger.debug(f"reconciled: deployment {dep['metadata']['name']}, fleet {fleet}")
+    metrics.set_live_tau(ns, name, tau)
+    logger.debug(f"reconciled: fleet {fleet}, {len(res.problems)} child problem(s)")
     return s, fleet_data, infos
+
+
+CHILD_REASONS = ("ChildConflict", "ChildRefused")
+
+
+def _child_condition(body: dict, conds: list, problems: list[children.Problem], now: str,
+                     gen: int | None, event: bool = True) -> list:
+    """Degraded=True while a child could not be written, with the server's message per child
+    (a Warning event when that changes); cleared when every child is applied again."""
+    if not problems:
+        was = get_condition(conds, "Degraded")
+        if was and was.get("reason") in CHILD_REASONS:
+            return set_condition(conds, "Degraded", False, "Healthy", "every child is applied",
+                                 now, gen)
+        return conds
+    msg = "; ".join(p.text() for p in problems)[:2000]
+    was = get_condition(conds, "Degraded")
+    if event and (not was or was.get("message") != msg):
+        kopf.warn(body, reason=problems[0].reason, message=msg)
+    return set_condition(conds, "Degraded", True, problems[0].reason, msg, now, gen)
+
+
+def _drafter_missing(body: dict, conds: list, s: spec_mod.ServiceSpec, fleet: str, st: dict,
+                     ready: int, now: str, gen: int | None) -> list:
+    """Ready=False while serving pods wait for a drafter that is not on the volume: Bootstrapping
+    when spec.drafter.bootstrap is making it, else DrafterMissing (a Warning event, once)."""
+    where = f"drafters/{fleet}/manifest.json on the shared volume"
+    if s.bootstrap is not None:
+        b = st.get("bootstrap") or {}
+        msg = (f"{ready}/{s.replicas} serving pods ready: they wait for drafter {fleet}, which "
+               f"spec.drafter.bootstrap ({s.bootstrap.source}) is making "
+               f"({b.get('phase') or 'starting'}{': ' + b['message'] if b.get('message') else ''})")
+        return set_condition(conds, "Ready", False, "Bootstrapping", msg, now, gen)
+    msg = (f"{ready}/{s.replicas} serving pods ready: they wait for drafter {fleet}, and "
+           f"{where} is missing. Set spec.drafter.bootstrap (Import a published DFlash "
+           f"checkpoint, or Train one offline), or publish it on the claim by hand "
+           f"(adaflash drafters import DIR --target <target> --home <claim>)")
+    was = get_condition(conds, "Ready")
+    if not was or was.get("reason") != "DrafterMissing":
+        kopf.warn(body, reason="DrafterMissing", message=msg)
+    return set_condition(conds, "Ready", False, "DrafterMissing", msg, now, gen)
 
 
 def _override_condition(body: dict, conds: list, infos: list, fleet: str, blocked_text: str,
@@ -311,24 +255,41 @@ class _StatusPatch:
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {}
+        self.problems: list[children.Problem] = []  # children not written in this pass
+        self.claim_modes: list[str] | None = None  # the shared claim's access modes
 
 
 async def save_status(body: dict, status: dict) -> bool:
     """Merge `status` into the object's status if the object is still at the resourceVersion it
-    was computed from; False on a conflict (another writer came first: read again)."""
+    was computed from; False on a conflict (another writer came first: read again).
+
+    A write that changed neither the spec (generation) nor the status, such as kopf recording
+    in an annotation that its handler is done, is no conflict for this pass: the patch is sent
+    again at the new resourceVersion. Otherwise a pass that already acted (annotated a canary
+    pod) would lose its record of it to an unrelated annotation."""
     meta = body["metadata"]
     if not status or is_subset(status, body.get("status") or {}):
         return True
-    try:
-        await kube.patch(c.SERVICE_KIND, meta["namespace"], meta["name"],
-                         {"metadata": {"resourceVersion": meta.get("resourceVersion")},
-                          "status": status}, sub="status")
-    except kube.ApiError as e:
-        if e.status == 409:
+    rv = meta.get("resourceVersion")
+    for _attempt in range(3):
+        try:
+            await kube.patch(c.SERVICE_KIND, meta["namespace"], meta["name"],
+                             {"metadata": {"resourceVersion": rv}, "status": status},
+                             sub="status")
+            return True
+        except kube.ApiError as e:
+            if e.status == 404:
+                return True
+            if e.status != 409:
+                raise
+        now = await kube.get(c.SERVICE_KIND, meta["namespace"], meta["name"])
+        if now is None:
+            return True
+        if (now["metadata"].get("generation") != meta.get("generation")
+                or (now.get("status") or {}) != (body.get("status") or {})):
             return False
-        if e.status != 404:
-            raise
-    return True
+        rv = now["metadata"].get("resourceVersion")
+    return False
 
 
 async def pass_once(namespace: str, name: str, logger: logging.Logger, *,
@@ -407,10 +368,90 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     owner = _owner(body)
     conds = patch.status.get("conditions") or st.get("conditions") or []
     patch.status["conditions"] = conds
+    conds = await _bootstrap(owner, body, s, st, patch, conds)
+    patch.status["conditions"] = conds
     conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
-    conds = await _rollout(owner, body, s, fleet_data, infos, st, patch, conds, logger)
+    if not any(p.kind == "ConfigMap" for p in patch.problems):  # the rollout writes it
+        conds = await _rollout(owner, body, s, fleet_data, infos, st, patch, conds, logger)
+    # A child problem outranks the rollout's verdict on Degraded (both are in the message).
+    conds = _child_condition(body, conds, patch.problems, _ts(_now()),
+                             body["metadata"].get("generation"), event=False)
     patch.status["conditions"] = conds
+    # The gauges follow status on every tick, so they are right again after a restart.
+    d = {**(st.get("distillation") or {}), **(patch.status.get("distillation") or {})}
+    metrics.DISTILL_FAILURES.labels(owner["metadata"]["namespace"], owner["metadata"][
+        "name"]).set(int(d.get("consecutiveFailures") or 0))
+
+
+async def _bootstrap(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, st: dict,
+                     patch: kopf.Patch, conds: list) -> list:
+    """spec.drafter.bootstrap: one Job at a time until the first drafter is on the volume (the
+    Job reports Imported, Trained, or Present when it was there already); a failed Job is
+    retried after the distillation backoff. The serving pods wait for the version meanwhile."""
+    if s.bootstrap is None:
+        return conds
+    b = dict(st.get("bootstrap") or {})
+    if b.get("phase") == "Succeeded":
+        return conds
+    ns = owner["metadata"]["namespace"]
+    gen = body["metadata"].get("generation")
+    now = _now()
+    attempts = int(b.get("attempts") or 0)
+    new: dict[str, Any] = {}
+    if b.get("phase") == "Running" and b.get("job"):
+        job = await kube.get("Job", ns, b["job"])
+        outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
+            else distill.job_outcome(job)
+        if outcome == "running":
+            return set_condition(conds, "Progressing", True, "Bootstrapping",
+                                 f"Job {b['job']} is making the first drafter "
+                                 f"{s.initial_version} ({s.bootstrap.source})", _ts(now), gen)
+        pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: b["job"]})
+        if outcome == "succeeded":
+            msgs = [m for m in (distill.termination_message(p, c.BOOTSTRAP_CONTAINER)
+                                for p in pods) if m]
+            try:
+                rep = distill.parse_bootstrap_report(msgs[-1] if msgs else None)
+            except distill.ReportError as e:
+                outcome, detail = "failed", str(e)
+            else:
+                msg = f"Job {b['job']}: {rep['outcome']} {rep['version']}"
+                kopf.event(body, type="Normal", reason="BootstrapSucceeded", message=msg)
+                new = {"phase": "Succeeded", "outcome": rep["outcome"],
+                       "version": rep["version"], "message": msg, "retryAfter": None}
+                conds = set_condition(conds, "BootstrapFailed", False, "Succeeded", msg,
+                                      _ts(now), gen)
+        if outcome == "failed":
+            pod_detail = "; ".join(x for x in (distill.failure_detail(p, c.BOOTSTRAP_CONTAINER)
+                                               for p in pods) if x)
+            delay = distill.backoff_seconds(attempts, s.distillation.backoff_seconds,
+                                            s.distillation.max_backoff_seconds)
+            retry = now + dt.timedelta(seconds=delay)
+            why = f"{detail} ({pod_detail})" if pod_detail else detail
+            msg = f"Job {b['job']} failed: {why}; retrying after {_ts(retry)}"[:1000]
+            kopf.warn(body, reason="BootstrapFailed", message=msg)
+            new = {"phase": "Failed", "message": msg, "retryAfter": _ts(retry)}
+            conds = set_condition(conds, "BootstrapFailed", True, "JobFailed", msg, _ts(now),
+                                  gen)
+    elif not (b.get("phase") == "Failed" and
+              (rollout.parse_ts(b.get("retryAfter")) or now) > now):
+        attempts += 1
+        jb = manifests.bootstrap_job(owner, s, attempts, patch.claim_modes)
+        try:
+            await kube.create(jb)
+        except kube.ApiError as e:
+            if e.status != 409:
+                raise
+        msg = (f"started Job {jb['metadata']['name']}: {s.bootstrap.source} the first drafter "
+               f"{s.initial_version}")
+        kopf.event(body, type="Normal", reason="BootstrapStarted", message=msg)
+        new = {"phase": "Running", "job": jb["metadata"]["name"], "attempts": attempts,
+               "message": msg}
+        conds = set_condition(conds, "Progressing", True, "Bootstrapping", msg, _ts(now), gen)
+    if new:
+        patch.status["bootstrap"] = {**b, **new}
+    return conds
 
 
 def _counts(infos: list[rollout.PodInfo]) -> dict[str, int]:
@@ -429,7 +470,7 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
     counts = _counts(infos)
     failures = int(d.get("consecutiveFailures") or 0)
     if active:
-        job = await kube.get("Job", ns, active)
+        job = await kube.get(d.get("activeJobKind") or "Job", ns, active)
         outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
             else distill.job_outcome(job)
         pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: active})
@@ -456,9 +497,9 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                    f"{recs['required']} a round needs; nothing published, waiting for traffic")
             kopf.event(body, type="Normal", reason="NotEnoughRecords", message=msg)
             metrics.DISTILL_JOBS.labels("idle").inc()
-            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
-                       retryAfter=None, lastError=None, lastOutcome=distill.OUTCOME_NOT_ENOUGH,
-                       lastOutcomeMessage=msg)
+            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                       consecutiveFailures=0, retryAfter=None, lastError=None,
+                       lastOutcome=distill.OUTCOME_NOT_ENOUGH, lastOutcomeMessage=msg)
             conds = set_condition(conds, "DistillationFailed", False, "NotEnoughRecords", msg,
                                   _ts(now), gen)
         elif outcome == "succeeded":
@@ -480,9 +521,10 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 msg = f"Job {active} published {report['version']}"
                 kopf.event(body, type="Normal", reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
-                new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
-                           lastSuccessAt=_ts(now), retryAfter=None, lastError=None,
-                           lastOutcome=distill.OUTCOME_PUBLISHED, lastOutcomeMessage=msg)
+                new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                           consecutiveFailures=0, lastSuccessAt=_ts(now), retryAfter=None,
+                           lastError=None, lastOutcome=distill.OUTCOME_PUBLISHED,
+                           lastOutcomeMessage=msg)
                 conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
                                       _ts(now), gen)
             except distill.ReportError as e:
@@ -501,8 +543,9 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                    f"{_ts(retry)}")
             kopf.warn(body, reason="DistillationFailed", message=msg)
             metrics.DISTILL_JOBS.labels("failed").inc()
-            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=failures,
-                       retryAfter=_ts(retry), lastError=why[:1000], lastOutcome="Failed",
+            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                       consecutiveFailures=failures, retryAfter=_ts(retry),
+                       lastError=why[:1000], lastOutcome="Failed",
                        lastOutcomeMessage=msg[:1000])
             conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
                                   _ts(now), gen)
@@ -516,7 +559,14 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         trig = distill.should_start(s.distillation, active_job=None, new=n_new,
                                     last_round_at=last, retrying=failures > 0,
                                     retry_after=rollout.parse_ts(d.get("retryAfter")), now=now)
-        if s.distillation.enabled and not s.log_traffic:
+        booting = s.bootstrap is not None and \
+            ((patch.status.get("bootstrap") or st.get("bootstrap") or {}).get("phase")
+             != "Succeeded")
+        if s.distillation.enabled and booting:
+            trig = distill.Trigger(False, "Bootstrapping")
+            new.update(idleReason="Bootstrapping", message=(
+                "no round before spec.drafter.bootstrap has put the first drafter on the volume"))
+        elif s.distillation.enabled and not s.log_traffic:
             # The pods write no traffic: a round would learn from nothing, or from what an
             # earlier setting left on the volume, which is not what the switch says.
             trig = distill.Trigger(False, "TrafficLoggingOff")
@@ -529,20 +579,24 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
             retry = failures > 0
             round_ = int(d.get("round") or 0) + (0 if retry else 1)
             round_ = max(round_, 1)
-            jb = manifests.job(owner, s, round_, failures + 1, fleet)
-            jname = jb["metadata"]["name"]
+            jobset = s.distillation.nodes > 1 and await kube.has_api(manifests.JOBSET_API)
+            jb = manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes,
+                               jobset=jobset)
+            jname, kind = jb["metadata"]["name"], jb["kind"]
             foreign = None
             try:
-                await kube.create(jb)
+                created = await kube.create(jb)
             except kube.ApiError as e:
                 if e.status != 409:
                     raise
                 # Ours from a pass whose status was lost, or someone else's: look.
-                existing = await kube.get("Job", ns, jname)
-                ctl = _controller(existing or {})
-                if existing is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
-                    foreign = (f"Job {jname} already exists and is not controlled by this "
+                created = await kube.get(kind, ns, jname)
+                ctl = _controller(created or {})
+                if created is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
+                    foreign = (f"{kind} {jname} already exists and is not controlled by this "
                                f"AdaFlashService")
+            if not foreign and kind == "Job" and s.distillation.nodes > 1 and created:
+                await _ensure_rendezvous_service(created)
             if foreign:
                 failures += 1
                 delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
@@ -555,12 +609,12 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 conds = set_condition(conds, "DistillationFailed", True, "JobConflict", msg,
                                       _ts(now), gen)
             else:
-                msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
+                msg = (f"started {kind} {jname} ({trig.reason}: {n_new} new records, parent "
                        f"{fleet})")
                 kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
                 metrics.DISTILL_JOBS.labels("started").inc()
                 new.update(activeJob=jname, activeJobPhase="Pending", round=round_,
-                           lastRoundAt=_ts(now))
+                           lastRoundAt=_ts(now), activeJobKind=kind)
                 if not retry:
                     new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"),
                                                               counts)
@@ -572,6 +626,15 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         conds = set_condition(conds, "Progressing", True, "DistillationPending",
                               f"Job {active_now} is pending: just created", _ts(now), gen)
     return conds
+
+
+async def _ensure_rendezvous_service(job: dict) -> None:
+    """The headless Service a multi-node Job's pods find each other by (owned by the Job)."""
+    try:
+        await kube.create(manifests.rendezvous_service(job))
+    except kube.ApiError as e:
+        if e.status != 409:
+            raise
 
 
 async def _job_report(ns: str, pods: list[dict]) -> dict:
@@ -622,7 +685,8 @@ def _candidate(dv: dict) -> rollout.Candidate:
     ev = sp.get("eval") or {}
     return rollout.Candidate(version=sp["version"], parent=sp.get("parent") or "",
                              eval_tau=dict(ev.get("tau") or {}),
-                             parent_tau=dict(ev.get("parentTau") or {}))
+                             parent_tau=dict(ev.get("parentTau") or {}),
+                             gate=dict(ev.get("gate") or {}))
 
 
 async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_data: dict,
@@ -708,7 +772,4 @@ async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_
 def forget(name: str, namespace: str, **_: Any) -> None:
     """Fires when an AdaFlashService is deleted; the garbage collector removes its children."""
     metrics.forget(namespace, name)
-    for key in [k for k in _applied if k[1] == namespace]:
-        _applied.pop(key, None)
-    for secret in [k for k in _admin_secrets if k[0] == namespace]:
-        _admin_secrets.discard(secret)
+    children.forget(namespace)

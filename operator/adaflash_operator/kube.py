@@ -53,9 +53,19 @@ RESOURCES = {
     "CronJob": ("batch/v1", "cronjobs"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
+    "Lease": ("coordination.k8s.io/v1", "leases"),
+    "JobSet": ("jobset.x-k8s.io/v1alpha2", "jobsets"),
     c.SERVICE_KIND: (c.API_VERSION, c.SERVICE_PLURAL),
     c.DRAFTER_KIND: (c.API_VERSION, c.DRAFTER_PLURAL),
 }
+# Which optional APIs the cluster serves, and when that was looked up (discovery is cheap, but
+# an API appears when someone installs it: look again after this long).
+_apis: dict[str, tuple[bool, float]] = {}
+API_RECHECK_S = 300.0
 
 
 class ApiError(Exception):
@@ -243,6 +253,25 @@ async def delete(kind: str, namespace: str, name: str) -> None:
     except ApiError as e:
         if e.status != 404:
             raise
+
+
+async def has_api(group_version: str) -> bool:
+    """Whether the cluster serves `group_version` (e.g. jobset.x-k8s.io/v1alpha2): discovery
+    (`GET /apis/<group>/<version>`, readable by every authenticated client), cached a while."""
+    import time
+
+    known = _apis.get(group_version)
+    if known is not None and time.monotonic() - known[1] < API_RECHECK_S:
+        return known[0]
+    try:
+        await _call("GET", f"/apis/{group_version}")
+        found = True
+    except ApiError as e:
+        if e.status not in (403, 404):
+            raise
+        found = False
+    _apis[group_version] = (found, time.monotonic())
+    return found
 
 
 async def pod_log(namespace: str, name: str, container: str, limit_bytes: int = 65536) -> str:

@@ -1,10 +1,16 @@
 """Prometheus metrics of the operator (served on --metrics-port, default 8080).
 
-PromQL used by the chart's alerts:
-    stuck rollout:   adaflash_operator_rollout_active == 1 and
-                     time() - adaflash_operator_rollout_started_timestamp_seconds > 3600
-    acceptance drop: adaflash_operator_live_tau < 0.8 * max_over_time(adaflash_operator_live_tau[1d])
-    distillation:    adaflash_operator_distill_consecutive_failures >= 3
+PromQL used by the chart's alerts. Every series is aggregated by (namespace, service): a
+restarted operator pod, or another replica taking over the lease, exports the same gauges under
+another `pod`/`instance` label, and the alerts must not start from nothing then. The gauges are
+set from the AdaFlashService's status on every tick, so a new process has them within a tick.
+    stuck rollout:   max by (namespace, service) (adaflash_operator_rollout_active) == 1 and
+                     time() - max by (namespace, service)
+                       (adaflash_operator_rollout_started_timestamp_seconds) > 3600
+    acceptance drop: max by (namespace, service) (adaflash_operator_live_tau) < 0.8 *
+                     max by (namespace, service) (max_over_time(adaflash_operator_live_tau[1d]))
+    distillation:    max by (namespace, service)
+                       (adaflash_operator_distill_consecutive_failures) >= 3
 """
 
 from __future__ import annotations
@@ -26,13 +32,21 @@ ROLLOUT_ACTIVE = Gauge("adaflash_operator_rollout_active", "1 while a rollout is
                        ["namespace", "service"])
 ROLLOUT_STARTED = Gauge("adaflash_operator_rollout_started_timestamp_seconds",
                         "Start of the rollout in flight", ["namespace", "service"])
+LEADER = Gauge("adaflash_operator_leader",
+               "1 while this process holds the operator's lease (or runs without election)")
 DISTILL_FAILURES = Gauge("adaflash_operator_distill_consecutive_failures",
                          "Failed distillation Jobs since the last success",
                          ["namespace", "service"])
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int) -> None:
-    start_http_server(port)
+    """Serve /metrics on `port` (once per process, whoever asks first)."""
+    if port not in _serving:
+        start_http_server(port)
+        _serving.add(port)
 
 
 def set_serving(namespace: str, service: str, version: str) -> None:
@@ -40,6 +54,25 @@ def set_serving(namespace: str, service: str, version: str) -> None:
         if labels[:2] == (namespace, service) and labels[2] != version:
             SERVING_VERSION.remove(*labels)
     SERVING_VERSION.labels(namespace, service, version).set(1)
+
+
+def set_live_tau(namespace: str, service: str, tau: float | None) -> None:
+    """The fleet's live tau; no series while no pod reports one (a stale value would hide an
+    acceptance drop, or raise a false one)."""
+    if tau is not None:
+        LIVE_TAU.labels(namespace, service).set(tau)
+        return
+    try:
+        LIVE_TAU.remove(namespace, service)
+    except KeyError:
+        pass
+
+
+def forget_all() -> None:
+    """Drop every per-service series (this process lost the lease: the new leader exports
+    them)."""
+    for gauge in (LIVE_TAU, ROLLOUT_ACTIVE, ROLLOUT_STARTED, DISTILL_FAILURES, SERVING_VERSION):
+        gauge.clear()
 
 
 def set_rollout(namespace: str, service: str, active: bool, started: float | None) -> None:

@@ -6,9 +6,13 @@ One rollout moves a candidate DrafterVersion through::
         |
         +--> Canary: ceil(canaryFraction * ready pods) pods get the pod annotation
              adaflash.io/desired-drafter-version=<v> and load it
-               |-- a pod reports a load error, is lost, or times out --> RolledBack
+               |-- a pod reports a load error, or times out --> RolledBack
+               |-- a canary pod goes away (eviction, drain, rolling update, scale-down): no
+               |   verdict on <v>; another ready pod takes its place and the canary starts
+               |   over (or, with none ready, <v> waits at the Gate as a candidate again)
                +--> Baking: every canary pod reports adaflash.io/loaded-drafter-version=<v>
-                      |-- load error / lost pod / live tau drop / no live tau --> RolledBack
+                      |-- load error / live tau drop / no live tau --> RolledBack
+                      |-- a canary pod goes away --> back to Canary, as above
                       +--> Promoted: the fleet ConfigMap names <v>; the annotations are removed
                            and the version is Serving, the previous one Retired.
 
@@ -43,6 +47,7 @@ class PodInfo:
     error: str | None = None
     records: int = 0
     override: str | None = None  # an admin override's version: the operator does not steer it
+    waiting_for_drafter: bool = False  # its init container waits for the drafter on the volume
 
     @classmethod
     def from_pod(cls, pod: dict) -> PodInfo:
@@ -59,7 +64,16 @@ class PodInfo:
             error=ann.get(c.LOAD_ERROR) or None,
             records=_int(ann.get(c.TRAFFIC_RECORDS)),
             override=ann.get(c.OVERRIDE) or None,
+            waiting_for_drafter=_waiting(pod),
         )
+
+
+def _waiting(pod: dict) -> bool:
+    """Whether the pod's init container is still waiting for the fleet's drafter."""
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if cs.get("name") == c.WAIT_DRAFTER_CONTAINER:
+            return "running" in (cs.get("state") or {})
+    return False
 
 
 def _float(s: str | None) -> float | None:
@@ -83,6 +97,7 @@ class Candidate:
     parent: str = ""
     eval_tau: dict[str, float] = field(default_factory=dict)
     parent_tau: dict[str, float] = field(default_factory=dict)
+    gate: dict = field(default_factory=dict)  # the Job's decision (eval.gate of its report)
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,14 @@ def gate(cand: Candidate, serving: str, serving_eval: dict[str, float] | None,
 
     The baseline is the parent's tau measured by the Job on the same held-out records when the
     candidate was distilled from the serving version; otherwise the serving version's own eval.
+    In the first case the Job's own gate (noise estimate and per-domain floor, eval.gate) must
+    have passed too; its decision is recorded in the DrafterVersion's status.
     """
+    job_gate = cand.gate if cand.parent == serving and "passed" in cand.gate else None
+    if job_gate is not None and not job_gate["passed"]:
+        return False, "GateFailed", (f"{cand.version}: the Job's gate failed "
+                                     f"({job_gate.get('reason', '?')}): "
+                                     f"{job_gate.get('message', '')}").strip(), {"gate": job_gate}
     if cand.parent == serving and cand.parent_tau:
         domains = set(cand.eval_tau) & set(cand.parent_tau) or None
         base, where = mean_tau(cand.parent_tau, domains), f"parent {serving}, same records"
@@ -137,7 +159,7 @@ def gate(cand: Candidate, serving: str, serving_eval: dict[str, float] | None,
     if tau is None:
         return False, "NoEvaluation", (f"{cand.version} has no held-out eval tau; the Job must "
                                        f"report eval.tau by domain"), {}
-    fields = {"evalTau": round(tau, 4)}
+    fields = {"evalTau": round(tau, 4), **({"gate": job_gate} if job_gate else {})}
     if base is None:
         return True, "GatePassed", (f"{cand.version} eval tau {tau:.3f}; no baseline for "
                                     f"{serving or 'the fleet'}, gate passes on its own"), fields
@@ -253,16 +275,49 @@ def step(*, cfg: Rollout, pinned: str, serving: str, state: dict | None,
     return d
 
 
+def _replace_lost(d: Decision, state: dict, pods: list[PodInfo], lost: list[str],
+                  now: dt.datetime) -> Decision:
+    """Canary pods went away (evicted, drained, replaced by a rolling update, scaled down):
+    that says nothing about the version, so it is no rollback. Other ready pods take their
+    places and the canary starts over (load timeout and bake included); with no ready pod
+    to take over, the version goes back to the Gate as a candidate and waits for one."""
+    v = state["version"]
+    kept = [n for n in state.get("canaryPods") or [] if n not in lost]
+    spare = sorted(p.name for p in pods if p.ready and not p.override and p.name not in kept)
+    new = kept + spare[:len(lost)]
+    replaced = int(state.get("replacedPods") or 0) + len(lost)
+    msg = (f"canary pod(s) {', '.join(lost)} of {v} went away (evicted, drained or replaced); "
+           f"no verdict on {v}")
+    if not new:
+        msg += ": waiting for a ready pod to canary on"
+        d.state = {"version": v, "phase": "Gate", "reason": "CanaryPodLost", "message": msg,
+                   "replacedPods": replaced}
+        d.phases[v] = PhaseChange("Candidate", "CanaryPodLost", msg)
+        d.events.append(("Normal", "CanaryPodLost", msg))
+        return d
+    msg += f": the canary starts over on {', '.join(new)}"
+    desired = {p.name: p.desired for p in pods}
+    for name in new:
+        if desired.get(name) != v:
+            d.annotate[name] = v
+    d.state = {k: x for k, x in state.items() if k != "loadedAt"}
+    d.state.update(phase="Canary", canaryPods=new, startedAt=_ts(now), replacedPods=replaced,
+                   reason="CanaryPodReplaced", message=msg)
+    d.phases[v] = PhaseChange("Canary", "CanaryPodReplaced", msg, {"canaryPods": new})
+    d.events.append(("Normal", "CanaryPodReplaced", msg))
+    return d
+
+
 def _watch_canary(cfg: Rollout, d: Decision, state: dict, pods: list[PodInfo],
                   now: dt.datetime, serving: str) -> Decision:
     v = state["version"]
     canary = list(state.get("canaryPods") or [])
     by_name = {p.name: p for p in pods}
+    lost = [n for n in canary if n not in by_name]
+    if lost:
+        return _replace_lost(d, state, pods, lost, now)
     for name in canary:
-        p = by_name.get(name)
-        if p is None:
-            return _roll_back(d, state, pods, "CanaryPodLost",
-                              f"canary pod {name} disappeared while serving {v}")
+        p = by_name[name]
         if p.error and (p.error.startswith(v) or p.loaded != v):
             return _roll_back(d, state, pods, "LoadFailed",
                               f"pod {name} failed to load {v}: {p.error}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 
-from . import crds
+from . import crds, quantity
 
 
 class InvalidSpec(ValueError):
@@ -44,18 +44,65 @@ def validate(raw: dict | None) -> dict:
     validator = jsonschema.Draft4Validator(crds.SERVICE_SPEC)
     errors = sorted(validator.iter_errors(spec), key=lambda e: list(e.absolute_path))
     problems = [f"{_path(e)}: {e.message}" for e in errors]
-    dist = spec.get("distillation", {})
-    if dist.get("maxBackoffSeconds", 1) < dist.get("backoffSeconds", 1):
-        problems.append("spec.distillation.maxBackoffSeconds must be >= backoffSeconds")
-    storage = spec.get("storage") or {}
-    if isinstance(storage, dict) and not storage.get("existingClaim") and \
-            storage.get("accessMode") in ("ReadWriteOnce", "ReadWriteOncePod") and \
-            isinstance(spec.get("replicas"), int) and spec["replicas"] > 1:
-        problems.append(f"spec: {crds.SINGLE_NODE_RULE['message']}")
+    if not problems:  # the cross-field rules read typed fields
+        problems += cross_field_problems(spec)
     if problems:
         raise InvalidSpec("; ".join(problems) + ". Fix the AdaFlashService spec (see "
                           "docs/operator.md for every field).")
     return spec
+
+
+def _zero(v: Any) -> bool:
+    return re.match(r"^0+%?$", str(v)) is not None
+
+
+def _resource_problems(where: str, res: dict) -> list[str]:
+    out = []
+    parsed: dict[str, dict] = {}
+    for part in ("requests", "limits"):
+        for k, v in (res.get(part) or {}).items():
+            try:
+                parsed.setdefault(part, {})[k] = quantity.parse(v)
+            except ValueError:
+                out.append(f"{where}.{part}.{k}: {crds.QUANTITY_MESSAGE}")
+    for k, req in (parsed.get("requests") or {}).items():
+        lim = (parsed.get("limits") or {}).get(k)
+        if lim is not None and req > lim:
+            out.append(f"{where}: {k}: {crds.RESOURCE_RULES[0]['message']}")
+    return out
+
+
+def cross_field_problems(spec: dict) -> list[str]:
+    """The CRD's CEL rules (crds.SPEC_RULES, ROLLING_RULES, RESOURCE_RULES), in Python, on a
+    defaulted spec that passed the schema. The messages are the CRD's."""
+    st, sv, di = spec["storage"], spec["serving"], spec["distillation"]
+    single = not st.get("existingClaim") and st["accessMode"] != "ReadWriteMany"
+    us, auto = sv["updateStrategy"], spec["autoscaling"]
+    boot = spec["drafter"].get("bootstrap")
+    broken = [
+        single and spec["replicas"] > 1,
+        single and st["accessMode"] == "ReadWriteOncePod" and
+        (di["enabled"] or spec["retention"]["enabled"] or boot is not None),
+        single and us["type"] != "Recreate" and not _zero(us["maxSurge"]),
+        auto["enabled"] and single and auto["maxReplicas"] > 1,
+        auto["minReplicas"] > auto["maxReplicas"],
+        di["maxBackoffSeconds"] < di["backoffSeconds"],
+        single and di["nodes"] > 1,
+        boot is not None and boot["source"] == "Import" and not boot.get("path"),
+    ]
+    out = [f"spec: {r['message']}" for r, bad in zip(crds.SPEC_RULES, broken) if bad]
+    for rule, bad in zip(crds.ROLLING_RULES, [
+        not (us["maxSurge"] >= 0 if isinstance(us["maxSurge"], int)
+             else re.match(r"^[0-9]+%$", us["maxSurge"])),
+        not (us["maxUnavailable"] >= 0 if isinstance(us["maxUnavailable"], int)
+             else re.match(r"^0*([0-9]{1,2}|100)%$", us["maxUnavailable"])),
+        us["type"] == "RollingUpdate" and _zero(us["maxSurge"]) and _zero(us["maxUnavailable"]),
+    ]):
+        if bad:
+            out.append(f"spec.serving.updateStrategy: {rule['message']}")
+    out += _resource_problems("spec.serving.resources", sv.get("resources") or {})
+    out += _resource_problems("spec.distillation.resources", di.get("resources") or {})
+    return out
 
 
 def check_name(name: str) -> None:
@@ -88,10 +135,28 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class Autoscaling:
+    enabled: bool
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: int
+    metric: str
+    prometheus_address: str
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    source: str  # Import | Train
+    path: str  # relative to the claim's root; "" (Train): the volume's traffic
+    extra_args: list[str]
+
+
+@dataclass(frozen=True)
 class Distillation:
     enabled: bool
     image: str
     gpus: int
+    nodes: int
     resources: dict
     min_new_records: int
     interval_seconds: int
@@ -101,6 +166,10 @@ class Distillation:
     extra_args: list[str]
     node_selector: dict
     tolerations: list
+    # Default to the serving pods'.
+    image_pull_secrets: list = field(default_factory=list)
+    affinity: dict = field(default_factory=dict)
+    priority_class: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,9 +199,22 @@ class ServiceSpec:
     delete_storage_with_service: bool
     initial_version: str
     pinned_version: str
+    bootstrap: Bootstrap | None
     distillation: Distillation
     rollout: Rollout
     retention: Retention
+    # Production shape (placement, disruption, shutdown, network, autoscaling).
+    image_pull_secrets: list = field(default_factory=list)
+    affinity: dict = field(default_factory=dict)
+    priority_class: str = ""
+    topology_spread: list | None = None  # None: the operator's soft default; []: none
+    pdb_enabled: bool = True
+    pdb_max_unavailable: int | str = 1
+    pre_stop_seconds: int = 10
+    drain_seconds: int = 300
+    network_policy: bool = False
+    network_policy_from: list = field(default_factory=list)
+    autoscaling: Autoscaling | None = None
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
 
@@ -140,7 +222,7 @@ def parse(raw: dict | None) -> ServiceSpec:
     s = validate(raw)
     sv, st, dr, di, ro, re_ = (s["serving"], s["storage"], s["drafter"], s["distillation"],
                                s["rollout"], s["retention"])
-    us = sv["updateStrategy"]
+    us, au = sv["updateStrategy"], s["autoscaling"]
     return ServiceSpec(
         target=s["model"]["target"],
         served_model_name=s["model"].get("servedModelName", ""),
@@ -167,10 +249,15 @@ def parse(raw: dict | None) -> ServiceSpec:
         delete_storage_with_service=st["deleteWithService"],
         initial_version=dr["initialVersion"],
         pinned_version=dr.get("pinnedVersion", ""),
+        bootstrap=Bootstrap(source=dr["bootstrap"]["source"],
+                            path=dr["bootstrap"].get("path", ""),
+                            extra_args=list(dr["bootstrap"].get("extraArgs", [])))
+        if dr.get("bootstrap") else None,
         distillation=Distillation(
             enabled=di["enabled"],
             image=di.get("image") or sv["image"],
             gpus=di["gpus"],
+            nodes=di["nodes"],
             resources=dict(di.get("resources", {})),
             min_new_records=di["minNewRecords"],
             interval_seconds=di["intervalSeconds"],
@@ -180,6 +267,9 @@ def parse(raw: dict | None) -> ServiceSpec:
             extra_args=list(di.get("extraArgs", [])),
             node_selector=dict(di.get("nodeSelector", {})),
             tolerations=list(di.get("tolerations", [])),
+            image_pull_secrets=list(di.get("imagePullSecrets", sv.get("imagePullSecrets", []))),
+            affinity=dict(di.get("affinity", sv.get("affinity", {}))),
+            priority_class=di.get("priorityClassName", ""),
         ),
         rollout=Rollout(
             min_tau_gain=ro["minTauGain"],
@@ -195,5 +285,21 @@ def parse(raw: dict | None) -> ServiceSpec:
             keep_versions=re_["keepVersions"],
             schedule=re_["schedule"],
         ),
+        image_pull_secrets=list(sv.get("imagePullSecrets", [])),
+        affinity=dict(sv.get("affinity", {})),
+        priority_class=sv.get("priorityClassName", ""),
+        topology_spread=(list(sv["topologySpreadConstraints"])
+                         if "topologySpreadConstraints" in sv else None),
+        pdb_enabled=sv["podDisruptionBudget"]["enabled"],
+        pdb_max_unavailable=sv["podDisruptionBudget"]["maxUnavailable"],
+        pre_stop_seconds=sv["shutdown"]["preStopSeconds"],
+        drain_seconds=sv["shutdown"]["drainSeconds"],
+        network_policy=sv["networkPolicy"]["enabled"],
+        network_policy_from=list(sv["networkPolicy"].get("from", [])),
+        autoscaling=Autoscaling(
+            enabled=au["enabled"], min_replicas=au["minReplicas"],
+            max_replicas=au["maxReplicas"], target_queue_depth=au["targetQueueDepth"],
+            metric=au["metric"], prometheus_address=au.get("prometheusAddress", ""),
+        ) if au["enabled"] else None,
         raw=s,
     )

@@ -1,11 +1,19 @@
-"""A real Kubernetes control plane for tests: etcd, kube-apiserver and kube-controller-manager
-from .cache/tools (`make cluster-tools`), on 127.0.0.1, in a temporary directory.
+"""A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok from .cache/tools (`make cluster-tools`), on 127.0.0.1, in a temporary
+directory.
 
 What it has: the API server with RBAC, the default admission plugins plus
 OwnerReferencesPermissionEnforcement, ValidatingAdmissionPolicy, an audit log, service-account
 token signing; the controller-manager's garbage collector, Deployment, ReplicaSet, Job,
-CronJob, ServiceAccount and namespace controllers. What it has not: a scheduler, nodes and a
-kubelet, so pods stay Pending until a test plays the kubelet (`Api.kubelet_*`).
+CronJob, ServiceAccount, namespace, PersistentVolume binder, disruption (PodDisruptionBudget),
+HorizontalPodAutoscaler and ResourceQuota controllers, and the one that type-checks admission
+policies (their status); the real scheduler; and kwok as the kubelet of the
+nodes the tests create (`ControlPlane.add_node`: GPU capacity, labels, taints). kwok starts a
+scheduled pod Running and Ready and removes a deleted one (kwok-stages.yaml); it runs no
+containers, so what a container would do (exit with a report, answer a probe, resolve its
+environment) the tests do (`Api.kubelet_terminate`, kubelet.py). A small provisioner
+(`Provisioner`) gives every pending claim a PersistentVolume, as a storage driver would, so
+that pods with claims can be scheduled.
 
 Credentials: `admin` (system:masters) through a static token file; everything else gets real
 service-account tokens from the TokenRequest API (`Api.token`).
@@ -13,12 +21,14 @@ service-account tokens from the TokenRequest API (`Api.token`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,10 +40,17 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".cache" / "tools"
 RELEASE, RELEASE_NS = "adaflash", "adaflash-system"  # the chart's release in the tests
 OPERATOR_SA = "adaflash"  # the chart's ServiceAccount for release `adaflash`
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 ADMIN_TOKEN = "adaflash-test-admin"
-CONTROLLERS = ("garbagecollector,deployment,replicaset,job,cronjob,serviceaccount,namespace,"
-               "root-ca-cert-publisher,pvc-protection,ttl-after-finished")
+# (Their names as `kube-controller-manager --help` lists them; the older short names are
+# aliases.)
+CONTROLLERS = ",".join(f"{c}-controller" for c in (
+    "garbage-collector", "deployment", "replicaset", "job", "cronjob", "serviceaccount",
+    "namespace", "root-ca-certificate-publisher", "persistentvolumeclaim-protection",
+    "ttl-after-finished", "persistentvolume-binder", "disruption", "horizontal-pod-autoscaler",
+    "resourcequota", "validatingadmissionpolicy-status"))
+KWOK_LABEL = ("type", "kwok")  # the nodes kwok plays the kubelet of
+KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0,
@@ -157,6 +174,10 @@ class ControlPlane:
             "--token-auth-file", str(self.dir / "tokens.csv"),
             "--authorization-mode", "RBAC",
             "--enable-admission-plugins", "OwnerReferencesPermissionEnforcement",
+            # It taints a new node not-ready until the node-lifecycle controller sees it Ready;
+            # that controller, which also evicts pods from nodes without heartbeats, is not
+            # run here (kwok marks its nodes Ready once and sends no heartbeats).
+            "--disable-admission-plugins", "TaintNodesByCondition",
             "--service-account-issuer", self.server,
             "--service-account-key-file", str(pki / "sa.pub"),
             "--service-account-signing-key-file", str(pki / "sa.key"),
@@ -179,7 +200,36 @@ class ControlPlane:
             "--service-account-private-key-file", str(pki / "sa.key"),
             "--root-ca-file", str(pki / "ca.crt"),
             "--concurrent-gc-syncs", "5", "--v", "1"])
+        self._start("kube-scheduler", [
+            str(TOOLS / "kube-scheduler"), "--kubeconfig", str(self.admin_kubeconfig),
+            "--authentication-kubeconfig", str(self.admin_kubeconfig),
+            "--authorization-kubeconfig", str(self.admin_kubeconfig),
+            "--leader-elect=false", "--bind-address", "127.0.0.1",
+            "--secure-port", str(free_port()), "--v", "1"])
+        self._start("kwok", [
+            str(TOOLS / "kwok"), "--kubeconfig", str(self.admin_kubeconfig),
+            "--config", str(KWOK_STAGES), "--manage-all-nodes=false",
+            f"--manage-nodes-with-label-selector={KWOK_LABEL[0]}={KWOK_LABEL[1]}",
+            "--node-lease-duration-seconds=0", "--cidr", "10.244.0.0/16",
+            "--node-ip", "10.0.0.1"])
+        self.provisioner = Provisioner(self.api)
+        self.provisioner.start()
 
+    def add_node(self, name: str, *, gpus: int = 0, labels: dict[str, str] | None = None,
+                 taints: list[dict] | None = None, cpu: str = "64",
+                 memory: str = "512Gi", pods: int = 110) -> dict:
+        """A node kwok keeps Ready, with `gpus` nvidia.com/gpu as the device plugin would
+        report them."""
+        capacity = {"cpu": cpu, "memory": memory, "pods": str(pods)}
+        if gpus:
+            capacity["nvidia.com/gpu"] = str(gpus)
+        return self.api.request("POST", "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {
+                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                KWOK_LABEL[0]: KWOK_LABEL[1], **(labels or {})}},
+            "spec": {"taints": list(taints or [])},
+            "status": {"capacity": capacity, "allocatable": capacity}})
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         last = ""
@@ -212,6 +262,8 @@ class ControlPlane:
         return out
 
     def stop(self) -> None:
+        if getattr(self, "provisioner", None) is not None:
+            self.provisioner.stop()
         for _name, p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()
@@ -221,6 +273,54 @@ class ControlPlane:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+
+
+class Provisioner(threading.Thread):
+    """What a storage driver does for a claim nobody pre-provisioned: a PersistentVolume of the
+    claim's size, access modes and class (an NFS source: no node to attach it to), pre-bound
+    to the claim; the controller-manager's binder then binds the two. Polls, like a sidecar
+    with a short resync would."""
+
+    def __init__(self, api: Api, every: float = 0.3):
+        super().__init__(daemon=True, name="test-provisioner")
+        self.api, self.every = api, every
+        self._stop = threading.Event()
+        self.made: set[str] = set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                claims = self.api.request("GET", "/api/v1/persistentvolumeclaims")["items"]
+                for claim in claims:
+                    self._provide(claim)
+            except (ApiError, OSError, urllib.error.URLError):
+                continue
+
+    def _provide(self, claim: dict) -> None:
+        meta, spec = claim["metadata"], claim.get("spec") or {}
+        if spec.get("volumeName") or meta.get("deletionTimestamp"):
+            return
+        digest = hashlib.sha256(meta["uid"].encode()).hexdigest()[:10]
+        name = f"pv-{meta['namespace']}-{meta['name']}"[:200] + f"-{digest}"
+        if name in self.made:
+            return
+        body = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+                "spec": {"capacity": {"storage": spec["resources"]["requests"]["storage"]},
+                         "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
+                         "persistentVolumeReclaimPolicy": "Retain",
+                         "storageClassName": spec.get("storageClassName") or "",
+                         "claimRef": {"namespace": meta["namespace"], "name": meta["name"],
+                                      "uid": meta["uid"]},
+                         "nfs": {"server": "nfs.test.invalid", "path": f"/{name}"}}}
+        try:
+            self.api.request("POST", "/api/v1/persistentvolumes", body)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+        self.made.add(name)
 
 
 class ApiError(Exception):
@@ -246,6 +346,14 @@ class Api:
         "CronJob": "/apis/batch/v1/namespaces/{ns}/cronjobs",
         "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
         "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+        "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+        "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+        "HorizontalPodAutoscaler":
+            "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+        "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
+        "Node": "/api/v1/nodes",
+        "PersistentVolume": "/api/v1/persistentvolumes",
+        "StorageClass": "/apis/storage.k8s.io/v1/storageclasses",
         "AdaFlashService": "/apis/adaflash.io/v1alpha1/namespaces/{ns}/adaflashservices",
         "DrafterVersion": "/apis/adaflash.io/v1alpha1/namespaces/{ns}/drafterversions",
     }
@@ -296,8 +404,8 @@ class Api:
         return self.request("GET", self.path(kind, ns) + q)["items"]
 
     def create(self, body: dict) -> dict:
-        return self.request("POST", self.path(body["kind"], body["metadata"]["namespace"]),
-                            body)
+        return self.request("POST", self.path(body["kind"], body["metadata"].get(
+            "namespace", "")), body)
 
     def patch(self, kind: str, ns: str, name: str, body: dict, sub: str | None = None) -> dict:
         return self.request("PATCH", self.path(kind, ns, name, sub), body,

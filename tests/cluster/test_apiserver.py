@@ -1,9 +1,10 @@
-"""The chart and the operator against a real kube-apiserver and kube-controller-manager
-(marker `apiserver`; `make test-cluster`). What kmock cannot show: schema validation, defaults
-and CEL rules, generation and the status subresource, RBAC (the operator runs as the chart's
-ServiceAccount, in its own process), OwnerReferencesPermissionEnforcement, the admission
-policy's CEL, server-side apply's field ownership, the Deployment, ReplicaSet and Job
-controllers and the garbage collector. The tests play the kubelet (there is none)."""
+"""The chart and the operator against a real kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (marker `apiserver`; `make test-cluster`). What kmock cannot show:
+schema validation, defaults and CEL rules, generation and the status subresource, RBAC (the
+operator runs as the chart's ServiceAccount, in its own process), OwnerReferencesPermission-
+Enforcement, the admission policies' CEL, server-side apply's field ownership, the Deployment,
+ReplicaSet and Job controllers, scheduling, and the garbage collector. kwok runs the pods; the
+tests write what their containers would (reports, annotations)."""
 
 from __future__ import annotations
 
@@ -15,79 +16,21 @@ import time
 import pytest
 from adaflash_operator import contract as c
 from controlplane import RELEASE, RELEASE_NS, Api, ApiError, wait_for
+from helpers import (
+    afs,
+    condition,
+    dv_phase,
+    finish_job,
+    fleet,
+    job_pod,
+    report,
+    reporter,
+    serving_pods,
+    start_serving_pods,
+    status,
+)
 
 pytestmark = pytest.mark.apiserver
-
-
-def afs(ns: str, name: str = "qwen", **over) -> dict:
-    spec = {"model": {"target": "Qwen/Qwen3-8B"}, "replicas": 2,
-            "serving": {"image": "registry.example/adaflash-sglang:0.1", "gpus": 0,
-                        "logTraffic": True},
-            "distillation": {"minNewRecords": 10, "backoffSeconds": 1},
-            "rollout": {"canaryFraction": 0.5, "bakeSeconds": 1, "loadTimeoutSeconds": 60}}
-    for k, v in over.items():
-        spec[k] = {**spec[k], **v} if isinstance(v, dict) and isinstance(spec.get(k), dict) \
-            else v
-    return {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
-            "metadata": {"name": name, "namespace": ns}, "spec": spec}
-
-
-def report(version: str = "v000002", tau: float = 5.0, parent: str = "v000001") -> str:
-    return json.dumps({
-        "version": version, "parent": parent, "created": "2026-11-30T09:00:00Z",
-        "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
-        "training": {"algorithm": "opd-rkl", "records": 20, "steps": 2, "finalLoss": 0.4},
-        "eval": {"tau": {"chat": tau}, "parentTau": {"chat": tau - 0.5}}})
-
-
-def status(api: Api, ns: str, name: str = "qwen") -> dict:
-    return (api.get(c.SERVICE_KIND, ns, name) or {}).get("status") or {}
-
-
-def condition(api: Api, ns: str, type_: str) -> dict:
-    return next((x for x in status(api, ns).get("conditions") or [] if x["type"] == type_), {})
-
-
-def dv_phase(api: Api, ns: str, version: str) -> str | None:
-    return ((api.get(c.DRAFTER_KIND, ns, f"qwen-{version}") or {}).get("status") or {}).get(
-        "phase")
-
-
-def fleet(api: Api, ns: str) -> str:
-    return api.get("ConfigMap", ns, "qwen-drafter")["data"][c.FLEET_VERSION_KEY]
-
-
-def serving_pods(api: Api, ns: str) -> list[dict]:
-    return [p for p in api.list("Pod", ns, {c.LABEL_COMPONENT: "serving"})
-            if not p["metadata"].get("deletionTimestamp")]
-
-
-def start_serving_pods(api: Api, ns: str, n: int) -> list[dict]:
-    """The ReplicaSet controller made the pods; play the kubelet: they run and are Ready."""
-    def made() -> list[dict] | None:
-        pods = serving_pods(api, ns)
-        return pods if len(pods) == n else None
-
-    pods = wait_for(f"{n} serving pods from the ReplicaSet", made, timeout=60)
-    for p in pods:
-        api.kubelet_ready(ns, p["metadata"]["name"])
-    return sorted(pods, key=lambda p: p["metadata"]["name"])
-
-
-def reporter(api: Api, ns: str, pod: dict):
-    """The project's own pod-status code, with the pod's own bound token."""
-    from sglang_adaflash.serving.reload import PodAnnotationReporter
-
-    token = api.request_token(ns, "qwen-serving", pod=pod)
-    return PodAnnotationReporter(pod["metadata"]["name"], ns, api_url=api.server, token=token,
-                                 ca_file=str(api.ca))
-
-
-def finish_job(api: Api, ns: str, job: str, message: str, exit_code: int = 0) -> None:
-    """The real Job controller made the pod; play the kubelet: it ran and wrote `message`."""
-    pod = wait_for(f"the pod of Job {job}", lambda: api.list(
-        "Pod", ns, {"job-name": job})[0], timeout=60)
-    api.kubelet_terminate(ns, pod, c.DISTILL_CONTAINER, exit_code, message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,13 +42,21 @@ def test_helm_install_of_the_chart(chart, api: Api) -> None:
     rules = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert ("adaflashservices/finalizers", "update") in rules
     assert api.get("ServiceAccount", RELEASE_NS, RELEASE) is not None
-    assert api.get("Deployment", RELEASE_NS, RELEASE) is not None
-    vap = api.request("GET", "/apis/admissionregistration.k8s.io/v1/"
-                      f"validatingadmissionpolicies/{RELEASE}-serving-pods")
-    # The server compiled its CEL (a syntax error fails the install) and type-checking, when
-    # it has run, found nothing.
-    assert not (vap.get("status") or {}).get("typeChecking", {}).get("expressionWarnings")
-    assert vap["spec"]["paramKind"]["kind"] == "ConfigMap"
+    # The chart's operator Deployment: its pod is scheduled and run (by kwok).
+    pod = wait_for("the operator's pod Running on a node", lambda: next(
+        (p for p in api.list("Pod", RELEASE_NS, {"app.kubernetes.io/name": "adaflash-operator"})
+         if (p.get("status") or {}).get("phase") == "Running" and p["spec"].get("nodeName")),
+        None), timeout=90)
+    assert pod["spec"]["serviceAccountName"] == RELEASE
+    # The server compiled both policies' CEL (a syntax error fails the install) and its type
+    # check, which runs in the background, found nothing to warn about: wait for it to run.
+    for policy, param in (("serving-pods", "ConfigMap"), ("operator-writes", None)):
+        vap = wait_for(f"the type check of {policy}", lambda p=policy: (v := api.request(
+            "GET", "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/"
+            f"{RELEASE}-{p}")).get("status", {}).get("typeChecking") is not None and v,
+            timeout=60)
+        assert vap["status"]["typeChecking"].get("expressionWarnings") is None, vap["status"]
+        assert (vap["spec"].get("paramKind") or {}).get("kind") == param
 
 
 @pytest.mark.parametrize("name,over,needle", [
@@ -145,7 +96,8 @@ def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     created = api.create(afs(ns, serving={"nodeSelector": {"gpu": "h100"},
                                           "tolerations": tolerations,
-                                          "resources": {"limits": {"memory": "1024Mi"}}}))
+                                          "resources": {"limits": {"memory": "1024Mi"}}},
+                             distillation={"gpus": 1}))
     # Children, made with the chart's RBAC; blockOwnerDeletion passes
     # OwnerReferencesPermissionEnforcement (update on adaflashservices/finalizers).
     dep = wait_for("the Deployment", lambda: api.get("Deployment", ns, "qwen"), timeout=60)
@@ -167,9 +119,10 @@ def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str
     api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 2}})
     wait_for("2 replicas", lambda: api.get("Deployment", ns, "qwen")["spec"]["replicas"] == 2)
 
-    # Serving pods from the real ReplicaSet controller; they annotate themselves.
-    wait_for("2 pods", lambda: len(serving_pods(api, ns)) == 2, timeout=60)
+    # Serving pods from the real ReplicaSet controller, placed by the scheduler on the GPU
+    # nodes they select and tolerate; they annotate themselves.
     pods = start_serving_pods(api, ns, 2)
+    assert {p["spec"]["nodeName"] for p in pods} <= {"h100-0", "h100-1"}
     a, b = pods
     rep_a, rep_b = reporter(api, ns, a), reporter(api, ns, b)
     assert rep_a.update({c.LOADED_VERSION: "v000001", c.ACCEPTANCE_TAU: "4.0",
@@ -187,19 +140,21 @@ def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str
     with pytest.raises(ApiError, match="may not change labels"):
         a_api.patch("Pod", ns, a["metadata"]["name"], {"metadata": {"labels": {"x": "y"}}})
 
-    # 12 records >= 10: a distillation Job, with the serving placement, and no API token.
+    # 12 records >= 10: a distillation Job, with the serving placement, on a GPU node, as its
+    # own ServiceAccount and with no API token.
     job = wait_for("the distillation Job", lambda: api.get("Job", ns, "qwen-distill-1-1"),
                    timeout=60)
-    jpod = wait_for("its pod", lambda: api.list("Pod", ns, {"job-name": "qwen-distill-1-1"})[0],
-                    timeout=60)
+    jpod = job_pod(api, ns, "qwen-distill-1-1")
     assert jpod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert jpod["spec"]["tolerations"][:1] == tolerations
+    assert jpod["spec"]["nodeName"] in ("h100-0", "h100-1")
+    assert jpod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert jpod["spec"]["serviceAccountName"] == "qwen-jobs"
     assert jpod["spec"]["automountServiceAccountToken"] is False
     assert not any("projected" in v for v in jpod["spec"]["volumes"])  # no token volume
     assert job["metadata"]["ownerReferences"][0]["name"] == "qwen"
-    # Not scheduled (no node here): Pending, not running.
-    cond = wait_for("Pending", lambda: (d := condition(api, ns, "Progressing")).get(
-        "reason") == "DistillationPending" and d, timeout=30)
+    cond = wait_for("Distilling", lambda: (d := condition(api, ns, "Progressing")).get(
+        "reason") == "Distilling" and d, timeout=30)
     assert "qwen-distill-1-1" in cond["message"]
 
     finish_job(api, ns, "qwen-distill-1-1", report("v000002", tau=5.0))
@@ -214,8 +169,19 @@ def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str
     assert fleet(api, ns) == "v000002"
     # A promotion changes the ConfigMap, not the pod template: no pod restarts.
     assert api.get("Deployment", ns, "qwen")["metadata"]["generation"] == generation
-    wait_for("the rollout_active series cleared", lambda: status(api, ns).get(
+    wait_for("the rollout Promoted", lambda: status(api, ns).get(
         "rollout", {}).get("phase") == "Promoted")
+    # The operator's /metrics (scraped): the fleet's version, no rollout in flight, and the
+    # start-time series gone with it.
+    labels = f'namespace="{ns}",service="qwen"'
+    m = wait_for("the metrics after the promotion", lambda: (x := op.metrics()).get(
+        f"adaflash_operator_rollout_active{{{labels}}}") == 0.0 and x, timeout=30)
+    assert m[f'adaflash_operator_serving_version_info{{{labels},version="v000002"}}'] == 1.0
+    assert not any(k.startswith("adaflash_operator_serving_version_info") and
+                   'version="v000001"' in k and ns in k for k in m)
+    assert not any(k.startswith("adaflash_operator_rollout_started_timestamp_seconds") and
+                   ns in k for k in m)
+    assert m[f"adaflash_operator_distill_consecutive_failures{{{labels}}}"] == 0.0
 
     # Deletion: the garbage collector takes the children, the claim stays.
     api.delete(c.SERVICE_KIND, ns, "qwen")
@@ -226,7 +192,8 @@ def test_lifecycle_as_the_charts_service_account(chart, api: Api, namespace: str
                        ("CronJob", "qwen-retention"), ("Role", "qwen-serving")]:
         wait_for(f"{kind} {name} collected", lambda k=kind, n=name: api.get(k, ns, n) is None,
                  timeout=90)
-    wait_for("the serving pods collected", lambda: not serving_pods(api, ns), timeout=90)
+    # The pods are really gone (the garbage collector deleted them, kwok let them go).
+    wait_for("the serving and Job pods deleted", lambda: not api.list("Pod", ns), timeout=90)
     assert api.get("PersistentVolumeClaim", ns, "qwen-home") is not None
     assert op.proc.poll() is None, op.output()[-3000:]
 
@@ -236,7 +203,6 @@ def test_operator_restart_mid_rollout_resumes(chart, api: Api, namespace: str,
     ns = namespace
     op = operator_process()
     api.create(afs(ns))
-    wait_for("2 pods", lambda: len(serving_pods(api, ns)) == 2, timeout=90)
     pods = start_serving_pods(api, ns, 2)
     reps = {p["metadata"]["name"]: reporter(api, ns, p) for p in pods}
     for r in reps.values():
@@ -475,3 +441,111 @@ def test_admin_secret_its_mount_and_an_override_in_status(chart, api: Api, names
     wait_for("the override gone", lambda: condition(api, ns, "AdminOverride").get(
         "status") == "False", timeout=30)
     assert all("override" not in p for p in status(api, ns)["pods"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Every GPU of the Job, and the first drafter (issue "Distillation: ... every GPU of the job,
+# and a first drafter for any target")
+
+
+def test_the_server_refuses_several_nodes_on_a_single_node_volume(chart, api: Api,
+                                                                   namespace: str) -> None:
+    body = afs(namespace, replicas=1, distillation={"nodes": 2},
+               storage={"accessMode": "ReadWriteOnce"})
+    with pytest.raises(ApiError) as e:
+        api.create(body)
+    assert e.value.status == 422 and "distillation.nodes > 1" in str(e.value)
+
+
+def test_a_multi_node_round_is_an_indexed_job_that_meets_at_its_first_pod(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    """spec.distillation.nodes 2, gpus 4: the real Job controller makes one pod per index, named
+    for the headless Service the operator creates (owned by the Job); each runs torchrun with
+    four processes and c10d rendezvous at the first pod; the first pod's report publishes."""
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, distillation={"nodes": 2, "gpus": 4}))
+    pods = start_serving_pods(api, ns, 2)
+    for p in pods:
+        assert reporter(api, ns, p).update({c.LOADED_VERSION: "v000001",
+                                            c.TRAFFIC_RECORDS: "6"})
+    job = wait_for("the Job", lambda: api.get("Job", ns, "qwen-distill-1-1"), timeout=60)
+    assert (job["spec"]["completionMode"], job["spec"]["completions"],
+            job["spec"]["parallelism"]) == ("Indexed", 2, 2)
+    svc = wait_for("the rendezvous Service", lambda: api.get("Service", ns, "qwen-distill-1-1"),
+                   timeout=60)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    def indexed_pods() -> list[dict] | None:
+        pods = api.list("Pod", ns, {"job-name": "qwen-distill-1-1"})
+        return pods if len(pods) == 2 else None
+
+    workers = wait_for("two indexed pods", indexed_pods, timeout=60)
+    for p in workers:
+        index = p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]
+        assert p["spec"]["hostname"] == f"qwen-distill-1-1-{index}"
+        assert p["spec"]["subdomain"] == "qwen-distill-1-1"
+        cmd = p["spec"]["containers"][0]["command"]
+        assert cmd[:3] == ["torchrun", "--nproc-per-node=4", "--nnodes=2"]
+        assert "--rdzv-endpoint=qwen-distill-1-1-0.qwen-distill-1-1." + ns + ".svc:29500" in cmd
+    first = next(p for p in workers if p["spec"]["hostname"].endswith("-0"))
+    other = next(p for p in workers if p is not first)
+    api.kubelet_terminate(ns, other, c.DISTILL_CONTAINER, 0, "")  # only rank 0 reports
+    api.kubelet_terminate(ns, first, c.DISTILL_CONTAINER, 0, report())
+    wait_for("the DrafterVersion", lambda: api.get(c.DRAFTER_KIND, ns, "qwen-v000002"),
+             timeout=60)
+
+
+def _init_waiting(api: Api, ns: str, pod: dict) -> None:
+    """Play the kubelet of a pod whose init container still waits for the drafter."""
+    api.patch("Pod", ns, pod["metadata"]["name"], {"status": {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"},
+                       {"type": "Initialized", "status": "False"},
+                       {"type": "Ready", "status": "False"}],
+        "initContainerStatuses": [{
+            "name": c.WAIT_DRAFTER_CONTAINER, "image": "i", "imageID": "i", "ready": False,
+            "restartCount": 0, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}},
+        sub="status")
+
+
+def test_without_a_drafter_or_a_bootstrap_the_condition_says_what_to_do(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, replicas=1))
+    pod = wait_for("the serving pod", lambda: (serving_pods(api, ns) or [None])[0], timeout=60)
+    assert pod["spec"]["initContainers"][0]["name"] == c.WAIT_DRAFTER_CONTAINER
+    _init_waiting(api, ns, pod)
+    cond = wait_for("Ready=False DrafterMissing", lambda: (
+        x := condition(api, ns, "Ready")).get("reason") == "DrafterMissing" and x, timeout=60)
+    assert "spec.drafter.bootstrap" in cond["message"] and "adaflash drafters import" in \
+        cond["message"]
+    assert status(api, ns)["pods"][0]["waitingForDrafter"] is True
+
+
+def test_the_bootstrap_job_makes_the_first_drafter_before_the_pods_start(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, replicas=1, drafter={"bootstrap": {"source": "Import",
+                                                          "path": "seed/dflash"}}))
+    job = wait_for("the bootstrap Job", lambda: api.get("Job", ns, "qwen-bootstrap-1"),
+                   timeout=60)
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == [
+        "--import", f"{c.HOME}/seed/dflash"]
+    wait_for("status.bootstrap Running", lambda: status(api, ns)["bootstrap"]["phase"] ==
+             "Running", timeout=60)  # patched at the end of the pass that created the Job
+    pod = wait_for("the serving pod", lambda: (serving_pods(api, ns) or [None])[0], timeout=60)
+    _init_waiting(api, ns, pod)
+    wait_for("Ready=False Bootstrapping", lambda: condition(api, ns, "Ready").get(
+        "reason") == "Bootstrapping", timeout=60)
+    worker = wait_for("its pod", lambda: api.list("Pod", ns, {"job-name": "qwen-bootstrap-1"})[0],
+                      timeout=60)
+    api.kubelet_terminate(ns, worker, c.BOOTSTRAP_CONTAINER, 0, json.dumps(
+        {"outcome": "Imported", "version": "v000001", "message": "imported v000001"}))
+    b = wait_for("bootstrap Succeeded", lambda: (
+        x := status(api, ns).get("bootstrap") or {}).get("phase") == "Succeeded" and x,
+        timeout=60)
+    assert (b["outcome"], b["version"]) == ("Imported", "v000001")
+    assert [j["metadata"]["name"] for j in api.list("Job", ns)] == ["qwen-bootstrap-1"]

@@ -131,11 +131,33 @@ def test_operator_pod_is_hardened_and_rbac_is_least_privilege() -> None:
                                       "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                                       "capabilities": {"drop": ["ALL"]}}
     assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    # Leader election: a new pod waits for the Lease, so a rolling update is safe.
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "--leader-elect" in ctr["args"]
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
-    assert "delete" not in verbs and "*" not in verbs and "escalate" not in verbs
+    assert "*" not in verbs and "escalate" not in verbs and "bind" not in verbs
     assert not any("*" in rule["resources"] for rule in role["rules"])
+    # Deletes: only the optional children the spec can turn off (the guard: only its own).
+    deletable = {r for rule in role["rules"] if "delete" in rule["verbs"]
+                 for r in rule["resources"]}
+    assert deletable == {"poddisruptionbudgets", "networkpolicies", "horizontalpodautoscalers",
+                         "scaledobjects"}
+    # What RBAC cannot narrow, the admission policy does, for this ServiceAccount.
+    guard = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                 and d["metadata"]["name"].endswith("-operator-writes"))
+    assert guard["spec"]["matchConditions"][0]["expression"] == \
+        "request.userInfo.username == 'system:serviceaccount:adaflash-system:rel-adaflash'"
+    # No parameters: the server looks them up before matchConditions, so "none found: deny"
+    # would deny every user's writes in namespaces without an AdaFlashService.
+    assert "paramKind" not in guard["spec"]
+    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                   and d["spec"]["policyName"] == guard["metadata"]["name"])
+    assert "paramRef" not in binding["spec"] and binding["spec"]["validationActions"] == ["Deny"]
+    # Leases: in the release namespace only, by name but for create.
+    lease = next(d for d in docs if d["kind"] == "Role" and "leader" in d["metadata"]["name"])
+    assert lease["metadata"]["namespace"] == "adaflash-system"
+    assert {tuple(r["verbs"]) for r in lease["rules"]} == {("create",), ("get", "patch")}
     # Secrets: it creates the serving pods' admin token and can read none.
     assert [rule["verbs"] for rule in role["rules"] if "secrets" in rule["resources"]] == \
         [["create"]]
@@ -172,8 +194,10 @@ def test_service_monitors_keep_the_labels_the_alerts_join_on() -> None:
 
 def test_serving_pod_guard_is_on_and_matches_only_serving_accounts() -> None:
     docs = render()
-    policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
-    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+    policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                  and d["metadata"]["name"].endswith("-serving-pods"))
+    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                   and d["spec"]["policyName"] == policy["metadata"]["name"])
     assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
     assert "endsWith" not in yaml.safe_dump(policy)
     assert c.SERVING_ACCOUNT_KEY in yaml.safe_dump(policy)
@@ -199,7 +223,20 @@ def test_crds_are_kept_on_uninstall() -> None:
     assert (CHART / "crds").is_dir()  # Helm never deletes what crds/ installed
 
 
+def test_without_leader_election_one_operator_and_recreate() -> None:
+    docs = render("--set", "operator.leaderElection.enabled=false")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any("leader" in d["metadata"]["name"] for d in docs if d["kind"] == "Role")
+    dep = next(d for d in render("--set", "operator.replicas=2") if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2
+
+
 @pytest.mark.parametrize("values,needle", [
+    (["--set", "operator.replicas=2", "--set", "operator.leaderElection.enabled=false"],
+     "needs operator.leaderElection"),
+    (["--set", "operator.leaderElection.renewDeadlineSeconds=20"], "less than"),
     (["--set", "operator.tickSeconds=0"], "tickSeconds"),
     (["--set", "operator.image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "metrics.prometheusRule.acceptanceDropRatio=2"], "acceptanceDropRatio"),
@@ -292,6 +329,26 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
                  "exp_alerts": firing("AdaFlashAcceptanceDrop", "3")},
                 {"eval_time": "20m", "alertname": "AdaFlashAcceptanceDrop", "exp_alerts": []},
             ],
+        }, {
+            # The operator pod restarts (or another replica takes the Lease) at minute 61: the
+            # same gauges under another pod label. The alerts carry on across it.
+            "interval": "1m",
+            "input_series": [
+                {"series": 'adaflash_operator_live_tau{namespace="ml",service="qwen",'
+                           'pod="op-a"}', "values": "5x60"},
+                {"series": 'adaflash_operator_live_tau{namespace="ml",service="qwen",'
+                           'pod="op-b"}', "values": "_x61 3x60"},
+                {"series": 'adaflash_operator_distill_consecutive_failures{namespace="ml",'
+                           'service="qwen",pod="op-a"}', "values": "3x30"},
+                {"series": 'adaflash_operator_distill_consecutive_failures{namespace="ml",'
+                           'service="qwen",pod="op-b"}', "values": "_x31 3x60"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "100m", "alertname": "AdaFlashAcceptanceDrop",
+                 "exp_alerts": firing("AdaFlashAcceptanceDrop", "3")},
+                {"eval_time": "40m", "alertname": "AdaFlashDistillationFailing",
+                 "exp_alerts": firing("AdaFlashDistillationFailing", "3")},
+            ],
         }],
     }))
     r = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True,
@@ -306,10 +363,18 @@ def test_every_manifest_the_operator_builds_validates() -> None:
              "metadata": {"name": "qwen", "namespace": "ml", "uid": "0b1c-2d3e"}}
     example = yaml.safe_load((CHART / "examples" / "adaflashservice.yaml").read_text())
     s = parse(example["spec"])
+    from adaflash_operator import autoscaling, policies
+
+    s_all = parse({**example["spec"], "autoscaling": {"enabled": True, "maxReplicas": 1},
+                   "storage": {"accessMode": "ReadWriteOnce"}, "replicas": 1})
     built = [manifests.pvc(owner, s), manifests.configmap(owner, "v000001"),
              manifests.service_account(owner), manifests.role(owner),
              manifests.role_binding(owner), manifests.deployment(owner, s),
-             manifests.service(owner, s), manifests.job(owner, s, 1, 1, "v000001")]
+             manifests.service(owner, s), manifests.job(owner, s, 1, 1, "v000001"),
+             manifests.jobs_service_account(owner), manifests.retention_cronjob(owner, s_all),
+             manifests.job(owner, s_all, 1, 1, "v000001"),
+             policies.pod_disruption_budget(owner, s), policies.network_policy(owner, s),
+             autoscaling.hpa(owner, s_all)]
     for doc in built:
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)

@@ -34,6 +34,26 @@ def test_gate_compares_with_the_parent_on_the_same_records() -> None:
     assert not ok and reason == "GateFailed" and "5.400" in msg
 
 
+def test_gate_honours_the_jobs_decision_and_records_it() -> None:
+    """The mean beats the parent, but the Job's gate (noise, per-domain floor) failed: the
+    version is Rejected and its status carries the Job's numbers."""
+    job = {"passed": False, "reason": "DomainDrop", "gain": 0.11, "gainLow": 0.02,
+           "message": "a domain dropped beyond its noise (95%): code -0.070 (noise 0.030)"}
+    cand = Candidate("v000002", "v000001", {"chat": 5.0}, {"chat": 4.5}, gate=job)
+    ok, reason, msg, fields = gate(cand, "v000001", None, 0.0)
+    assert not ok and reason == "GateFailed" and "DomainDrop" in msg and "code -0.070" in msg
+    assert fields == {"gate": job}
+    d = run(cands=[cand])
+    assert d.state["phase"] == "Rejected" and d.phases["v000002"].fields == {"gate": job}
+    passed = {**job, "passed": True, "reason": "Passed"}
+    ok, _, _, fields = gate(Candidate("v000002", "v000001", {"chat": 5.0}, {"chat": 4.5},
+                                      gate=passed), "v000001", None, 0.0)
+    assert ok and fields["gate"] == passed and fields["evalTau"] == 5.0
+    # a decision on another parent's records says nothing about the serving version
+    ok, _, _, fields = gate(cand, "v000009", {"chat": 4.0}, 0.0)
+    assert ok and "gate" not in fields
+
+
 def test_gate_uses_the_serving_versions_eval_when_the_parent_is_not_serving() -> None:
     cand = Candidate("v000003", "v000001", {"chat": 5.0, "code": 6.0}, {"chat": 4.0})
     ok, _, msg, fields = gate(cand, "v000002", {"chat": 5.5}, 0.0)  # only shared domains count
@@ -115,11 +135,10 @@ def test_stale_error_of_another_version_is_ignored_once_loaded() -> None:
     assert run(state=canary_state(), ps=ps).state["phase"] == "Baking"
 
 
-def test_load_timeout_and_lost_pod_roll_back() -> None:
+def test_load_timeout_rolls_back() -> None:
     d = run(state=canary_state(), now=T0 + dt.timedelta(seconds=31))
     assert d.state["reason"] == "LoadTimeout" and "p0" in d.state["message"]
-    d = run(state=canary_state(), ps=pods()[1:])
-    assert d.state["reason"] == "CanaryPodLost" and d.annotate == {}
+    assert d.phases["v000002"].phase == "RolledBack"
 
 
 def baking(**over) -> dict:
@@ -127,6 +146,36 @@ def baking(**over) -> dict:
 
 
 AFTER_BAKE = T0 + dt.timedelta(seconds=71)
+
+
+@pytest.mark.parametrize("state", [canary_state(), baking()])
+def test_a_lost_canary_pod_is_replaced_not_rolled_back(state: dict) -> None:
+    """Eviction, a drain or a rolling update took the canary pod: no verdict on the version.
+    Another ready pod takes over and the canary starts over, clocks included."""
+    later = T0 + dt.timedelta(seconds=50)
+    ps = [p for p in pods() if p.name != "p0"]  # p0 is gone
+    d = run(state=state, ps=ps, now=later)
+    assert d.state["phase"] == "Canary" and d.state["reason"] == "CanaryPodReplaced"
+    assert d.state["canaryPods"] == ["p1"] and d.annotate == {"p1": "v000002"}
+    assert d.state["startedAt"] == "2026-11-30T09:00:50Z" and "loadedAt" not in d.state
+    assert d.state["replacedPods"] == 1
+    assert d.phases["v000002"].phase == "Canary" and d.serving == "v000001"
+    assert all(ch.phase != "RolledBack" for ch in d.phases.values())
+    # The replacement loads the version: the bake starts then, with no timeout from before.
+    ps = [PodInfo(**{**p.__dict__, "loaded": "v000002", "desired": "v000002"})
+          if p.name == "p1" else p for p in ps]
+    d = run(state=d.state, ps=ps, now=later + dt.timedelta(seconds=20))
+    assert d.state["phase"] == "Baking"
+
+
+def test_a_lost_canary_with_no_pod_to_take_over_waits_at_the_gate() -> None:
+    d = run(state=canary_state(), ps=[PodInfo(name="p9", ready=False)])
+    assert d.state["phase"] == "Gate" and d.state["reason"] == "CanaryPodLost"
+    assert d.phases["v000002"].phase == "Candidate" and d.annotate == {}
+    # A pod becomes ready: the version is canaried again (still a candidate, same gate).
+    d = run(state=d.state, ps=pods(2), now=T0 + dt.timedelta(seconds=5))
+    assert d.state["phase"] == "Canary" and d.annotate == {"p0": "v000002"}
+    assert not any(e[1] == "GatePassed" for e in d.events)
 
 
 def test_bake_time_is_respected() -> None:

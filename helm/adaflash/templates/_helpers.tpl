@@ -32,7 +32,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
 {{- end -}}
 
-{{/* The operator's permissions; bound cluster-wide or per watched namespace. */}}
+{{/* The operator's permissions; bound cluster-wide or per watched namespace. RBAC cannot say
+"only what the operator made": the operatorGuard admission policy (operatorguard.yaml) does. */}}
 {{- define "adaflash.rules" -}}
 # Its own resources: watch AdaFlashServices, record DrafterVersions.
 - apiGroups: ["adaflash.io"]
@@ -60,9 +61,29 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["batch"]
   resources: ["jobs", "cronjobs"]
   verbs: ["get", "create", "patch"]
+# Multi-node distillation rounds (spec.distillation.nodes > 1) where the cluster serves JobSet
+# (detected through discovery; without it: an Indexed Job and a headless Service).
+- apiGroups: ["jobset.x-k8s.io"]
+  resources: ["jobsets"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "patch"]
+# Optional children, deleted when the spec turns them off (an HPA left behind would go on
+# scaling): the only deletes the operator makes, of objects it controls.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "patch", "delete"]
+# KEDA, where installed (found through discovery, never assumed).
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch", "delete"]
 # The per-service admin token of the serving pods: created once, never read (no get, list or
 # watch: the operator can read no Secret, and never calls the admin endpoint).
 - apiGroups: [""]

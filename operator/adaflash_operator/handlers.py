@@ -170,15 +170,15 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
                               now, gen)
     elif s.replicas == 0:
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
-    elif ready >= s.replicas:
-        conds = set_condition(conds, "Ready", True, "AllPodsReady",
-                              f"{ready}/{s.replicas} serving pods ready", now, gen)
-    elif any(p.waiting_for_drafter for p in infos):
+    elif ready < s.replicas and any(p.waiting_for_drafter for p in infos):
         conds = _drafter_missing(body, conds, s, fleet, status, ready, now, gen)
-    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for
+    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for (the old
+        # pods may all be ready while it waits: Ready stays True and says why the rollout waits)
         why = children.serving_trouble(res.deployment, pods)
         msg = f"{ready}/{s.replicas} serving pods ready" + (f" ({why})" if why else "")
-        conds = set_condition(conds, "Ready", False, "PodsNotReady", msg, now, gen)
+        conds = set_condition(conds, "Ready", ready >= s.replicas,
+                              "AllPodsReady" if ready >= s.replicas else "PodsNotReady", msg,
+                              now, gen)
     conds = _child_condition(body, conds, res.problems, now, gen)
     patch.status["conditions"] = conds
     metrics.set_serving(ns, name, fleet)

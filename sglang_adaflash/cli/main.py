@@ -56,7 +56,10 @@ def _add_model_args(p: argparse.ArgumentParser, drafter_required: bool) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                    help="run target and drafter in this dtype (default: the target's own)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the engine's sampler (default 0); the same seed gives the same sample in modes "
+                   "ar and dflash; adaflash and d2sd choose verify lengths from measured step costs, so a "
+                   "sample can differ (equally distributed)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-response tokens")
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize text prompts as plain text even if the tokenizer has a chat template")

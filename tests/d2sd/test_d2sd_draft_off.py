@@ -235,6 +235,7 @@ def test_every_position_follows_the_target_at_t_above_zero_with_draft_off(wrong,
     target, drafter, recovery = sampling_models()
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, draft_off=True, max_batch_size=8,
                      max_seq_len=32, seed=321, cost_model=DEAR_DRAFTS, probe_every=2, probe_share=1.0)
+    eng._tree_cost = RECOVERY_PRICE  # set, not profiled: a loaded machine priced branches so dear that none won
     sp = SamplingParams(temperature=0.6, top_k=3, max_new_tokens=NEW)
     samples = _mixed_run(eng, sp)
     rows = sum(eng.stats.batch_sizes)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,train,bench,serve,operator
 
-.PHONY: venv demo demo-static test test-sglang lint bench models tools cluster-tools test-cluster
+.PHONY: venv demo demo-static test test-sglang lint bench models tools cluster-tools test-cluster image
 venv: $(VENV)/.installed-$(subst ,,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -60,8 +60,17 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(subst ,,$(EXTRAS)
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-cache-dir -e '.[sglang,dev]'
 	touch $@
 
+# The serving image (images/sglang/Dockerfile: the official SGLang 0.5.23 image plus this
+# package), tagged with the package version; the chart's default serving.image names it.
+# Push it with `docker push $(IMAGE):<version>` (docs/operator.md).
+IMAGE ?= ghcr.io/sglang-adaflash/adaflash-sglang
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	docker build -f images/sglang/Dockerfile -t $(IMAGE):$(IMAGE_VERSION) .
+
+# The plugin suite, and the serving image's install command resolved in the SGLang venv.
 test-sglang: $(SGLANG_VENV)/.installed
-	$(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider -m "sglang and not gpu" tests/sglang_plugin
+	$(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider -m "sglang and not gpu" tests/sglang_plugin tests/serving/test_serving_image.py
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, etcd (and kwok) built from pinned Go
 # modules into .cache/tools (scripts/cluster-tools.sh; cold: see docs/operator.md).

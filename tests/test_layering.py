@@ -84,3 +84,58 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path):
     g = _package_graph(pkg)
     assert g["a"] == {"b"} and g["b"] == {"a"} and g["c"] == {"a"}
     assert _cycle(g) in (["a", "b", "a"], ["b", "a", "b"])
+
+
+TRAINING = Path(__file__).resolve().parents[1] / "training_job"
+
+
+def _module_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (function-level imports too), at
+    module granularity: ``training_job.opd.round`` -> ``training_job.opd.train``, ..."""
+    modules = {".".join((package, *p.relative_to(root).with_suffix("").parts)).removesuffix(
+        ".__init__"): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".")[: len(mod.split(".")) - node.level + int(is_pkg)]
+                    stem = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    stem = node.module or ""
+                targets = [f"{stem}.{a.name}" for a in node.names] + [stem]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                if t in modules and t != mod:
+                    graph[mod].add(t)
+                    break
+    return graph
+
+
+def test_the_training_job_modules_import_each_other_without_cycles():
+    """The distillation job's entry point sits above the round, the round above its parts, and
+    nothing below imports the entry point back (`training_job.distill` <-> `opd.follow` was a
+    cycle); the offline recipe's functions import nothing above them."""
+    g = _module_graph(TRAINING, "training_job")
+    cycle = _cycle(g)
+    assert cycle is None, " -> ".join(cycle or [])
+    assert "training_job.distill" in g and "training_job.opd.round" in g["training_job.distill"]
+    below = {m for m in g if m.startswith("training_job.opd.")}
+    assert not any("training_job.distill" in g[m] for m in below)
+    assert not g["training_job.dflash_offline"] & {"training_job.recipe", "training_job.distill"}
+
+
+def test_the_module_checker_sees_a_lazy_cycle(tmp_path):
+    """Control: a function-level import that closes a loop between two modules is found."""
+    pkg = tmp_path / "pkg"
+    for name, body in {"__init__.py": "", "a.py": "from . import b\n",
+                       "sub/__init__.py": "", "sub/b.py": "",
+                       "b.py": "def f():\n    from .a import x\n"}.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(body)
+    g = _module_graph(pkg, "pkg")
+    assert g["pkg.a"] == {"pkg.b"} and g["pkg.b"] == {"pkg.a"}
+    assert _cycle(g) is not None

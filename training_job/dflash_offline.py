@@ -56,7 +56,7 @@ class DrafterTrainConfig:
     # Drafter optimisation.
     anchors_per_seq: int = 32
     batch_size: int = 4  # sequences per step
-    max_steps: int = 5000
+    max_steps: int = 4500
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 50
@@ -72,7 +72,7 @@ class DrafterTrainConfig:
     kd_weight: float = 0.5
     kd_temperature: float = 1.0
     # Length head.
-    head_steps: int = 1000
+    head_steps: int = 600
     head_lr: float = 2e-4
     # Bookkeeping.
     seed: int = 1234
@@ -360,7 +360,7 @@ def drafter_forward(drafter, feats: torch.Tensor, blocks: Blocks, slots: int | N
     ``slots``, those of the leading slots only, [N, slots, H] (the same values)."""
     bs, c, _ = feats.shape
     ctx = drafter.project_context(feats)  # [bs, C, H]
-    ctx_pos = torch.arange(c)[None].expand(bs, -1)
+    ctx_pos = torch.arange(c, device=feats.device)[None].expand(bs, -1)
     ctx_kv = drafter.context_kv(ctx, ctx_pos)  # per layer ([bs, kvh, C, hd] x2)
     per_block = [(k[blocks.seq_indices], v[blocks.seq_indices]) for k, v in ctx_kv]
     emb = drafter.embed_tokens(blocks.input_ids)
@@ -559,3 +559,12 @@ def export_drafter(drafter, target_dir: Path, out_dir: Path, cfg: DrafterTrainCo
 def _log(path: Path, rec: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"time": round(time.time(), 3), **rec}) + "\n")
+
+
+if __name__ == "__main__":
+    # `python -m training_job.dflash_offline` is the recipe's command (training_job.recipe: any
+    # local Hugging Face causal LM, torchrun, publishing); it runs as this script, so the
+    # recipe's functions here import nothing above them.
+    import runpy
+
+    runpy.run_module("training_job.recipe", run_name="__main__", alter_sys=True)

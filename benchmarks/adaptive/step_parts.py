@@ -100,7 +100,12 @@ def main(argv=None) -> int:
         return cell_requests(prompts, n, args.max_new_tokens, tuple(pair.stop_token_ids))
 
     modes = args.modes.split(",")
-    engines = {m: make_engine(pair, m, c, max_seq, 0, num_requests=n) for m in modes}
+    def engine(m):  # adaflash-head / adaflash-history pin the engine's lengths_from, as in run.py
+        base, _, source = m.partition("-")
+        extra = {"lengths_from": source} if source else {}
+        return make_engine(pair, base, c, max_seq, 0, num_requests=n, **extra)
+
+    engines = {m: engine(m) for m in modes}
     totals: dict[str, float] = defaultdict(float)
     _instrument(totals)
     for e in engines.values():
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
                 print(f"T=0 MISMATCH in {m}", file=sys.stderr)
                 return 1
             steps = e.stats.steps
-            drafted = sum(sum(o.stats.drafted) for o in outs) if m == "adaflash" else None
+            drafted = sum(sum(o.stats.drafted) for o in outs) if m.startswith("adaflash") else None
             row_steps = sum(o.stats.steps for o in outs)
             runs[m].append({"cpu_tokens_per_s": e.stats.committed_tokens / cpu,
                             "tau": sum(o.stats.committed_tokens for o in outs) / row_steps,

@@ -1,7 +1,7 @@
 """Ablation of the offline drafter recipe: short training runs side by side on one frozen data set.
 
     python benchmarks/drafter_recipe/ablate.py --target DIR --train regen.train.jsonl \
-        --heldout regen.heldout.jsonl --work runs/ablate --steps 500 \
+        --heldout regen.heldout.jsonl --work runs/ablate --steps 500 --per-domain 1200 \
         --variant base --variant kd:kd_weight=0.5 --variant l5:target_layer_ids=1,3,5 \
         --out benchmarks/drafter_recipe/ablation.json
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from dataclasses import fields, replace
@@ -50,6 +51,18 @@ def parse_setting(cfg: dfo.DrafterTrainConfig, item: str) -> dfo.DrafterTrainCon
     return replace(cfg, **{key: val})
 
 
+def sample_per_domain(seqs: list[dict], n: int, seed: int = 0) -> list[dict]:
+    """A seeded random sample of n records per domain, shuffled together (the same for every
+    variant and every rerun)."""
+    rng = random.Random(seed)
+    out: list[dict] = []
+    for domain in sorted({s["domain"] for s in seqs}):
+        pool = [s for s in seqs if s["domain"] == domain]
+        out += rng.sample(pool, min(n, len(pool)))
+    rng.shuffle(out)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", type=Path, required=True)
@@ -60,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", required=True,
                     help="NAME[:key=value[:key=value...]]")
     ap.add_argument("--common", action="append", default=[], help="key=value for every variant")
+    ap.add_argument("--per-domain", type=int, default=None,
+                    help="train on a seeded random sample of this many records per domain")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -70,6 +85,8 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(args.target))
     seqs = list(read_jsonl(args.train))
+    if args.per_domain is not None:
+        seqs = sample_per_domain(seqs, args.per_domain)
     heldout = list(read_jsonl(args.heldout))
     results = json.loads(args.out.read_text()) if args.out.exists() else {"variants": {}}
     results.update({"steps": args.steps, "train_records": len(seqs), "common": args.common,

@@ -233,6 +233,16 @@ def run(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.time() - t0, _child_cpu() - c0
 
 
+def fresh_work(rel: str) -> tuple[Path, Path, float]:
+    """(an emptied work directory under the checkout, its log file, the start time), with
+    OpenMP's idle threads told not to spin on a shared machine."""
+    work = ROOT / rel
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return work, work / "log.txt", time.time()
+
+
 def distil_round(home: Path, report: Path, loss: str, min_records: int, threads: int,
                  job_args: list[str], log: Path) -> tuple[dict, tuple[float, float]]:
     # the target as a path relative to the checkout: the report records it as given
@@ -280,12 +290,7 @@ def main() -> int:
     from sglang_adaflash.drafter.manifest import target_fingerprint
     from sglang_adaflash.drafter.store import publish_checkpoint
 
-    work = ROOT / args.work
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    log = work / "log.txt"
-    started = time.time()
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    work, log, started = fresh_work(args.work)
     job_args = shlex.split(args.job_args)
     per_round = {"math": args.math, "code": args.code, "prose": args.prose}
     n_round = sum(per_round.values())

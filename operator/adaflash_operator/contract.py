@@ -43,9 +43,9 @@ OVERRIDE = "adaflash.io/drafter-override"  # the version an admin override asks 
 
 # Labels.
 LABEL_SERVICE = "adaflash.io/service"  # the owning AdaFlashService's name
-LABEL_COMPONENT = "adaflash.io/component"  # serving | distill | storage
+LABEL_COMPONENT = "adaflash.io/component"  # serving | distill | bootstrap | storage
 LABEL_ROUND = "adaflash.io/distill-round"
-LABEL_DISTILL_JOB = "adaflash.io/distill-job"  # on a distillation Job's pods: the Job's name
+LABEL_DISTILL_JOB = "adaflash.io/distill-job"  # on a training Job's pods: the Job's name
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "adaflash-operator"
 
@@ -65,4 +65,7 @@ ENV_ADMIN_TOKEN = "ADAFLASH_ADMIN_TOKEN"
 # terminated container state's `message` (at most 4096 bytes).
 TERMINATION_LOG = "/dev/termination-log"
 DISTILL_CONTAINER = "distill"
+BOOTSTRAP_CONTAINER = "bootstrap"
+# The serving pods' init container that waits for the fleet's drafter on the volume.
+WAIT_DRAFTER_CONTAINER = "wait-drafter"
 SERVING_CONTAINER = "sglang"

@@ -30,6 +30,12 @@ SERVICE_NAME_RULES = [
      "message": "metadata.name must start with a letter and hold only lower-case letters, "
                 "digits and '-' (it names a Service: DNS-1035)"},
 ]
+MULTI_NODE_RULE = {
+    "rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
+            "self.distillation.nodes <= 1",
+    "message": "distillation.nodes > 1 runs the Job's pods on several nodes, which all mount the "
+               "volume: use storage.accessMode ReadWriteMany",
+}
 SINGLE_NODE_RULE = {
     "rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
             "self.replicas <= 1",
@@ -43,11 +49,13 @@ SINGLE_NODE_RULE = {
 SPEC_RULES = [
     SINGLE_NODE_RULE,
     {"rule": "has(self.storage.existingClaim) || self.storage.accessMode != 'ReadWriteOncePod' "
-             "|| (!self.distillation.enabled && !self.retention.enabled)",
+             "|| (!self.distillation.enabled && !self.retention.enabled && "
+             "!(has(self.drafter) && has(self.drafter.bootstrap)))",
      "message": "storage.accessMode ReadWriteOncePod lets one pod mount the claim, and the "
-                "serving pod holds it: distillation Jobs and the retention CronJob could never "
-                "start. Use ReadWriteOnce (they are placed on the serving pod's node) or "
-                "ReadWriteMany, or disable distillation and retention"},
+                "serving pod holds it (also while it waits for its drafter): distillation Jobs, "
+                "the retention CronJob and the bootstrap Job could never start. Use "
+                "ReadWriteOnce (they are placed on the serving pod's node) or ReadWriteMany, or "
+                "disable distillation and retention and seed the drafter by hand"},
     {"rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
              "self.serving.updateStrategy.type == 'Recreate' || "
              "string(self.serving.updateStrategy.maxSurge).matches('^0+%?$')",
@@ -64,6 +72,10 @@ SPEC_RULES = [
      "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"},
     {"rule": "self.distillation.maxBackoffSeconds >= self.distillation.backoffSeconds",
      "message": "distillation.maxBackoffSeconds must be >= distillation.backoffSeconds"},
+    MULTI_NODE_RULE,
+    {"rule": "!has(self.drafter) || !has(self.drafter.bootstrap) || "
+             "self.drafter.bootstrap.source != 'Import' || has(self.drafter.bootstrap.path)",
+     "message": "drafter.bootstrap.path: Import needs the checkpoint's directory on the claim"},
 ]
 # Deployment rules (apps/v1 validation) on serving.updateStrategy.
 # (The API server also checks them on the object's `{}` default, before nested defaults.)
@@ -176,7 +188,7 @@ def _tau_map(desc: str) -> Schema:
 
 
 _CONDITIONS = _list("Standard conditions: Ready, Progressing, Degraded (and DistillationFailed, "
-                    "AdminOverride).", _obj(
+                    "BootstrapFailed, AdminOverride).", _obj(
     "A condition.",
     {
         "type": _str("Condition type."),
@@ -279,12 +291,29 @@ SERVICE_SPEC: Schema = _obj("Desired state of an AdaFlash serving deployment.", 
                                pattern=VERSION_PATTERN),
         "pinnedVersion": _str("Pin the fleet to this version: stops rollouts; set an older one to "
                               "roll back. Empty means follow the rollout.", pattern=r"^(v[0-9]{6})?$"),
+        "bootstrap": _obj("How the first drafter (initialVersion) gets onto an empty volume: a Job "
+                          "that imports or trains it before the serving pods start (they wait "
+                          "for it). Absent: the version must be put there by hand.", {
+            "source": _str("Import (a published DFlash checkpoint on the claim) or Train (the "
+                           "offline recipe on the target's own responses).",
+                           enum=["Import", "Train"]),
+            "path": _str("Import: the checkpoint directory; Train: a prompts file (JSON lines), "
+                         "or absent for the traffic on the volume. Relative to the claim's root.",
+                         pattern=r"^[^/].*$"),
+            "extraArgs": _list("Extra arguments for the import (adaflash drafters import) or the "
+                               "recipe (python -m training_job.dflash_offline).",
+                               {"type": "string"}),
+        }, required=["source"]),
     }, default={}),
     "distillation": _obj("On-policy distillation Jobs.", {
         "enabled": _bool("Start distillation Jobs.", True),
         "image": _str("Image of the training job (python -m training_job.distill). "
                       "Defaults to serving.image."),
-        "gpus": _int("nvidia.com/gpu for the Job.", 1, 0, 16),
+        "gpus": _int("nvidia.com/gpu per pod of the Job; above 1 the job runs under torchrun, a "
+                     "process per GPU.", 1, 0, 16),
+        "nodes": _int("Pods (nodes) of the Job; above 1 an Indexed Job (or a JobSet where the "
+                      "cluster has one) whose torchruns meet at the first pod. Needs a "
+                      "ReadWriteMany volume.", 1, 1, 64),
         "resources": _RESOURCES,
         "minNewRecords": _int("Start a round once this many new traffic records are logged.",
                               128, 1),
@@ -356,6 +385,7 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
     "round": _int("Rounds started so far."),
     "activeJob": _str("Name of the running Job, if any."),
     "activeJobPhase": _str("Pending (not scheduled or not started) or Running."),
+    "activeJobKind": _str("Job, or JobSet (a multi-node round on a cluster that has JobSet)."),
     "lastRoundAt": _str("When the last round started.", format="date-time"),
     "lastSuccessAt": _str("When a round last published a version.", format="date-time"),
     "consecutiveFailures": _int("Failed Jobs since the last success."),
@@ -367,8 +397,21 @@ _DISTILL_STATUS = _obj("Distillation bookkeeping (survives operator restarts).",
     "lastOutcome": _str("How the last Job ended: Published, NotEnoughRecords (too little new "
                         "traffic; not a failure) or Failed."),
     "lastOutcomeMessage": _str("Detail of lastOutcome."),
-    "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff)."),
+    "idleReason": _str("Why no round starts whatever the traffic (TrafficLoggingOff, "
+                       "Bootstrapping)."),
     "message": _str("Detail of idleReason."),
+})
+
+_BOOTSTRAP_STATUS = _obj("The first drafter's Job (spec.drafter.bootstrap).", {
+    "phase": _str("Running, Succeeded or Failed (retried after a backoff).",
+                  enum=["Running", "Succeeded", "Failed"]),
+    "job": _str("The bootstrap Job (the running or the last one)."),
+    "attempts": _int("Jobs started so far.", minimum=0),
+    "outcome": _str("What the last Job did: Imported, Trained, or Present (the version was "
+                    "there already)."),
+    "version": _str("The version it produced or found.", pattern=r"^(v[0-9]{6})?$"),
+    "message": _str("Detail of the last transition."),
+    "retryAfter": _str("No new Job before this time (backoff).", format="date-time"),
 })
 
 _POD_STATUS = _obj("What one serving pod reports.", {
@@ -380,6 +423,8 @@ _POD_STATUS = _obj("What one serving pod reports.", {
     "loadError": _str("Last load failure the pod reported."),
     "override": _str("Version an admin override (POST /adaflash/v1/drafter) asks this pod for; "
                      "the rollout does not steer the pod while it is set."),
+    "waitingForDrafter": _bool("The pod's init container waits for the fleet's drafter to "
+                               "appear on the shared volume."),
 })
 
 SERVICE_STATUS: Schema = _obj("Observed state.", {
@@ -395,8 +440,34 @@ SERVICE_STATUS: Schema = _obj("Observed state.", {
     "pods": _list("Per-pod drafter versions.", _POD_STATUS),
     "rollout": _ROLLOUT_STATUS,
     "distillation": _DISTILL_STATUS,
+    "bootstrap": _BOOTSTRAP_STATUS,
     "kopf": {"type": "object", "description": "Operator framework bookkeeping.",
              "x-kubernetes-preserve-unknown-fields": True},
+})
+
+_GATE = _obj("The Job's gate: candidate against parent on the same held-out prompts, with a "
+              "paired bootstrap over prompts for the noise and a per-domain floor.", {
+    "passed": _bool("Whether the candidate passed."),
+    "reason": _str("Passed, NoGain (the mean gain's lower bound is below minGain), DomainDrop "
+                   "(a domain dropped beyond its noise) or NoEvaluation.",
+                   enum=["Passed", "NoGain", "DomainDrop", "NoEvaluation"]),
+    "message": _str("The decision in words."),
+    "meanTau": _num("Candidate's mean held-out tau over domains.", minimum=0),
+    "parentMeanTau": _num("Parent's mean held-out tau over the same domains.", minimum=0),
+    "gain": _num("meanTau / parentMeanTau - 1."),
+    "gainLow": _num("Lower bound of the gain at the given confidence."),
+    "minGain": _num("Gain the lower bound had to reach."),
+    "confidence": _num("One-sided confidence of the bounds.", minimum=0, maximum=1),
+    "resamples": _int("Bootstrap resamples.", minimum=0),
+    "prompts": _int("Held-out prompts both versions decoded.", minimum=0),
+    "domains": _map("Per domain: its tau minus the parent's and the noise above it.", _obj(
+        "One domain.", {
+            "prompts": _int("Held-out prompts of the domain.", minimum=0),
+            "delta": _num("tau minus the parent's tau."),
+            "noise": _num("How far above delta the upper bound reaches."),
+            "floored": _bool("Enough prompts for the floor to apply."),
+            "dropped": _bool("Dropped beyond its noise (fails the gate)."),
+        })),
 })
 
 DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on the shared volume).", {
@@ -417,6 +488,7 @@ DRAFTER_SPEC: Schema = _obj("A published drafter version (from the manifest on t
     "eval": _obj("Held-out evaluation by the Job.", {
         "tau": _tau_map("Acceptance length by domain for this version."),
         "parentTau": _tau_map("Acceptance length by domain for the parent, same records."),
+        "gate": _GATE,
     }),
 }, required=["service", "version"])
 
@@ -428,6 +500,7 @@ DRAFTER_STATUS: Schema = _obj("Rollout state of this version.", {
     "evalTau": _num("Mean held-out tau of this version.", minimum=0),
     "baselineTau": _num("Mean held-out tau it was gated against.", minimum=0),
     "liveTau": _num("Live tau of canary pods at the end of the bake.", minimum=0),
+    "gate": _GATE,
     "canaryPods": _list("Pods that served it as canary.", {"type": "string"}),
     "history": _list("Phase transitions, oldest first.", _obj("A transition.", {
         "phase": _str("Phase entered."), "reason": _str("Reason."),

@@ -11,9 +11,11 @@ copies into the terminated container state's `message` (4096 bytes at most)::
     {"version": "v000002", "parent": "v000001", "created": "2026-...Z",
      "target": {"name": "Qwen/Qwen3-8B", "sha256": "..."},
      "training": {"algorithm": "opd-rkl", "records": 512, "steps": 64, "finalLoss": 0.41},
-     "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9}}}
+     "eval": {"tau": {"chat": 5.1, "code": 6.0}, "parentTau": {"chat": 4.8, "code": 5.9},
+              "gate": {"passed": true, "reason": "Passed", "gain": 0.04, "gainLow": 0.02, ...}}}
 
-Only `version` is required. The same fields are in drafters/<version>/manifest.json. A Job that
+Only `version` is required. ``eval.gate`` is the Job's own decision (paired bootstrap over the
+held-out prompts, per-domain floor); the rollout gate honours it (rollout.gate). The same fields are in drafters/<version>/manifest.json. A Job that
 found too few new records writes ``{"outcome": "NotEnoughRecords", "records": {"usable": 40,
 "required": 128}, "message": "..."}`` instead, and exits 0 (the operator passes
 ``--idle-exit-code 0``).
@@ -85,12 +87,13 @@ def backoff_seconds(failures: int, base: int, cap: int) -> int:
 
 
 def job_outcome(job: dict) -> tuple[str, str]:
-    """("running" | "succeeded" | "failed", detail) from a batch/v1 Job's status."""
+    """("running" | "succeeded" | "failed", detail) from a batch/v1 Job's status (or a
+    JobSet's: conditions Completed and Failed)."""
     status = job.get("status") or {}
     for cond in status.get("conditions") or []:
         if cond.get("status") != "True":
             continue
-        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+        if cond.get("type") in ("Complete", "SuccessCriteriaMet", "Completed"):  # JobSet
             return "succeeded", ""
         if cond.get("type") in ("Failed", "FailureTarget"):
             return "failed", f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".strip()
@@ -194,6 +197,10 @@ def parse_report(message: str | None) -> dict:
     if parent and not VERSION_RE.match(str(parent)):
         raise ReportError(f"the report's parent must look like v000001, got {parent!r}")
     ev = report.get("eval") or {}
+    gate = ev.get("gate")
+    if gate is not None and not (isinstance(gate, dict) and isinstance(gate.get("passed"), bool)):
+        raise ReportError(f"the report's eval.gate must be an object with a boolean passed, "
+                          f"got {gate!r}")
     for key in ("tau", "parentTau"):
         taus = ev.get(key) or {}
         if not isinstance(taus, dict) or not all(
@@ -208,3 +215,24 @@ def mean_tau(taus: dict[str, float] | None, domains: set[str] | None = None) -> 
         return None
     vals = [float(v) for k, v in taus.items() if domains is None or k in domains]
     return sum(vals) / len(vals) if vals else None
+
+
+#: What a bootstrap Job reports (python -m training_job.bootstrap): the first version imported,
+#: trained, or found on the volume already.
+BOOTSTRAP_OUTCOMES = ("Imported", "Trained", "Present")
+
+
+def parse_bootstrap_report(message: str | None) -> dict:
+    """The bootstrap Job's report: ``{"outcome": "Imported", "version": "v000001", ...}``."""
+    try:
+        report = json.loads(message or "")
+    except json.JSONDecodeError:
+        raise ReportError(f"the bootstrap Job succeeded but its report is not JSON: "
+                          f"{(message or '')[:120]!r}; it must write {{\"outcome\": ..., "
+                          f"\"version\": ...}} to /dev/termination-log") from None
+    if not isinstance(report, dict) or report.get("outcome") not in BOOTSTRAP_OUTCOMES or \
+            not VERSION_RE.match(str(report.get("version", ""))):
+        raise ReportError(f"the bootstrap Job's report must hold an outcome in "
+                          f"{list(BOOTSTRAP_OUTCOMES)} and a version like v000001, got "
+                          f"{report!r}"[:600])
+    return report

@@ -159,8 +159,8 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
     patch.status["pods"] = [{k: v for k, v in {
         "name": p.name, "ready": p.ready, "desiredVersion": p.desired,
         "loadedVersion": p.loaded, "tau": p.tau, "loadError": p.error,
-        "override": p.override}.items() if v is not None}
-        for p in sorted(infos, key=lambda p: p.name)]
+        "override": p.override, "waitingForDrafter": p.waiting_for_drafter or None}.items()
+        if v is not None} for p in sorted(infos, key=lambda p: p.name)]
     conds = _override_condition(body, conds, infos, fleet, fleet_data.get(
         c.BLOCKED_VERSIONS_KEY) or "", now, gen)
     dep_problem = next((p for p in res.problems if p.kind == "Deployment"), None)
@@ -170,6 +170,8 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
                               now, gen)
     elif s.replicas == 0:
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
+    elif ready < s.replicas and any(p.waiting_for_drafter for p in infos):
+        conds = _drafter_missing(body, conds, s, fleet, status, ready, now, gen)
     else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for
         why = children.serving_trouble(res.deployment, pods)
         msg = f"{ready}/{s.replicas} serving pods ready" + (f" ({why})" if why else "")
@@ -202,6 +204,27 @@ def _child_condition(body: dict, conds: list, problems: list[children.Problem], 
     if event and (not was or was.get("message") != msg):
         kopf.warn(body, reason=problems[0].reason, message=msg)
     return set_condition(conds, "Degraded", True, problems[0].reason, msg, now, gen)
+
+
+def _drafter_missing(body: dict, conds: list, s: spec_mod.ServiceSpec, fleet: str, st: dict,
+                     ready: int, now: str, gen: int | None) -> list:
+    """Ready=False while serving pods wait for a drafter that is not on the volume: Bootstrapping
+    when spec.drafter.bootstrap is making it, else DrafterMissing (a Warning event, once)."""
+    where = f"drafters/{fleet}/manifest.json on the shared volume"
+    if s.bootstrap is not None:
+        b = st.get("bootstrap") or {}
+        msg = (f"{ready}/{s.replicas} serving pods ready: they wait for drafter {fleet}, which "
+               f"spec.drafter.bootstrap ({s.bootstrap.source}) is making "
+               f"({b.get('phase') or 'starting'}{': ' + b['message'] if b.get('message') else ''})")
+        return set_condition(conds, "Ready", False, "Bootstrapping", msg, now, gen)
+    msg = (f"{ready}/{s.replicas} serving pods ready: they wait for drafter {fleet}, and "
+           f"{where} is missing. Set spec.drafter.bootstrap (Import a published DFlash "
+           f"checkpoint, or Train one offline), or publish it on the claim by hand "
+           f"(adaflash drafters import DIR --target <target> --home <claim>)")
+    was = get_condition(conds, "Ready")
+    if not was or was.get("reason") != "DrafterMissing":
+        kopf.warn(body, reason="DrafterMissing", message=msg)
+    return set_condition(conds, "Ready", False, "DrafterMissing", msg, now, gen)
 
 
 def _override_condition(body: dict, conds: list, infos: list, fleet: str, blocked_text: str,
@@ -344,6 +367,8 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     owner = _owner(body)
     conds = patch.status.get("conditions") or st.get("conditions") or []
     patch.status["conditions"] = conds
+    conds = await _bootstrap(owner, body, s, st, patch, conds)
+    patch.status["conditions"] = conds
     conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
     if not any(p.kind == "ConfigMap" for p in patch.problems):  # the rollout writes it
@@ -356,6 +381,76 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     d = {**(st.get("distillation") or {}), **(patch.status.get("distillation") or {})}
     metrics.DISTILL_FAILURES.labels(owner["metadata"]["namespace"], owner["metadata"][
         "name"]).set(int(d.get("consecutiveFailures") or 0))
+
+
+async def _bootstrap(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, st: dict,
+                     patch: kopf.Patch, conds: list) -> list:
+    """spec.drafter.bootstrap: one Job at a time until the first drafter is on the volume (the
+    Job reports Imported, Trained, or Present when it was there already); a failed Job is
+    retried after the distillation backoff. The serving pods wait for the version meanwhile."""
+    if s.bootstrap is None:
+        return conds
+    b = dict(st.get("bootstrap") or {})
+    if b.get("phase") == "Succeeded":
+        return conds
+    ns = owner["metadata"]["namespace"]
+    gen = body["metadata"].get("generation")
+    now = _now()
+    attempts = int(b.get("attempts") or 0)
+    new: dict[str, Any] = {}
+    if b.get("phase") == "Running" and b.get("job"):
+        job = await kube.get("Job", ns, b["job"])
+        outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
+            else distill.job_outcome(job)
+        if outcome == "running":
+            return set_condition(conds, "Progressing", True, "Bootstrapping",
+                                 f"Job {b['job']} is making the first drafter "
+                                 f"{s.initial_version} ({s.bootstrap.source})", _ts(now), gen)
+        pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: b["job"]})
+        if outcome == "succeeded":
+            msgs = [m for m in (distill.termination_message(p, c.BOOTSTRAP_CONTAINER)
+                                for p in pods) if m]
+            try:
+                rep = distill.parse_bootstrap_report(msgs[-1] if msgs else None)
+            except distill.ReportError as e:
+                outcome, detail = "failed", str(e)
+            else:
+                msg = f"Job {b['job']}: {rep['outcome']} {rep['version']}"
+                kopf.event(body, type="Normal", reason="BootstrapSucceeded", message=msg)
+                new = {"phase": "Succeeded", "outcome": rep["outcome"],
+                       "version": rep["version"], "message": msg, "retryAfter": None}
+                conds = set_condition(conds, "BootstrapFailed", False, "Succeeded", msg,
+                                      _ts(now), gen)
+        if outcome == "failed":
+            pod_detail = "; ".join(x for x in (distill.failure_detail(p, c.BOOTSTRAP_CONTAINER)
+                                               for p in pods) if x)
+            delay = distill.backoff_seconds(attempts, s.distillation.backoff_seconds,
+                                            s.distillation.max_backoff_seconds)
+            retry = now + dt.timedelta(seconds=delay)
+            why = f"{detail} ({pod_detail})" if pod_detail else detail
+            msg = f"Job {b['job']} failed: {why}; retrying after {_ts(retry)}"[:1000]
+            kopf.warn(body, reason="BootstrapFailed", message=msg)
+            new = {"phase": "Failed", "message": msg, "retryAfter": _ts(retry)}
+            conds = set_condition(conds, "BootstrapFailed", True, "JobFailed", msg, _ts(now),
+                                  gen)
+    elif not (b.get("phase") == "Failed" and
+              (rollout.parse_ts(b.get("retryAfter")) or now) > now):
+        attempts += 1
+        jb = manifests.bootstrap_job(owner, s, attempts, patch.claim_modes)
+        try:
+            await kube.create(jb)
+        except kube.ApiError as e:
+            if e.status != 409:
+                raise
+        msg = (f"started Job {jb['metadata']['name']}: {s.bootstrap.source} the first drafter "
+               f"{s.initial_version}")
+        kopf.event(body, type="Normal", reason="BootstrapStarted", message=msg)
+        new = {"phase": "Running", "job": jb["metadata"]["name"], "attempts": attempts,
+               "message": msg}
+        conds = set_condition(conds, "Progressing", True, "Bootstrapping", msg, _ts(now), gen)
+    if new:
+        patch.status["bootstrap"] = {**b, **new}
+    return conds
 
 
 def _counts(infos: list[rollout.PodInfo]) -> dict[str, int]:
@@ -374,7 +469,7 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
     counts = _counts(infos)
     failures = int(d.get("consecutiveFailures") or 0)
     if active:
-        job = await kube.get("Job", ns, active)
+        job = await kube.get(d.get("activeJobKind") or "Job", ns, active)
         outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
             else distill.job_outcome(job)
         pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: active})
@@ -401,9 +496,9 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                    f"{recs['required']} a round needs; nothing published, waiting for traffic")
             kopf.event(body, type="Normal", reason="NotEnoughRecords", message=msg)
             metrics.DISTILL_JOBS.labels("idle").inc()
-            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
-                       retryAfter=None, lastError=None, lastOutcome=distill.OUTCOME_NOT_ENOUGH,
-                       lastOutcomeMessage=msg)
+            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                       consecutiveFailures=0, retryAfter=None, lastError=None,
+                       lastOutcome=distill.OUTCOME_NOT_ENOUGH, lastOutcomeMessage=msg)
             conds = set_condition(conds, "DistillationFailed", False, "NotEnoughRecords", msg,
                                   _ts(now), gen)
         elif outcome == "succeeded":
@@ -425,9 +520,10 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 msg = f"Job {active} published {report['version']}"
                 kopf.event(body, type="Normal", reason="Published", message=msg)
                 metrics.DISTILL_JOBS.labels("succeeded").inc()
-                new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=0,
-                           lastSuccessAt=_ts(now), retryAfter=None, lastError=None,
-                           lastOutcome=distill.OUTCOME_PUBLISHED, lastOutcomeMessage=msg)
+                new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                           consecutiveFailures=0, lastSuccessAt=_ts(now), retryAfter=None,
+                           lastError=None, lastOutcome=distill.OUTCOME_PUBLISHED,
+                           lastOutcomeMessage=msg)
                 conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
                                       _ts(now), gen)
             except distill.ReportError as e:
@@ -446,8 +542,9 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                    f"{_ts(retry)}")
             kopf.warn(body, reason="DistillationFailed", message=msg)
             metrics.DISTILL_JOBS.labels("failed").inc()
-            new.update(activeJob=None, activeJobPhase=None, consecutiveFailures=failures,
-                       retryAfter=_ts(retry), lastError=why[:1000], lastOutcome="Failed",
+            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
+                       consecutiveFailures=failures, retryAfter=_ts(retry),
+                       lastError=why[:1000], lastOutcome="Failed",
                        lastOutcomeMessage=msg[:1000])
             conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
                                   _ts(now), gen)
@@ -461,7 +558,14 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         trig = distill.should_start(s.distillation, active_job=None, new=n_new,
                                     last_round_at=last, retrying=failures > 0,
                                     retry_after=rollout.parse_ts(d.get("retryAfter")), now=now)
-        if s.distillation.enabled and not s.log_traffic:
+        booting = s.bootstrap is not None and \
+            ((patch.status.get("bootstrap") or st.get("bootstrap") or {}).get("phase")
+             != "Succeeded")
+        if s.distillation.enabled and booting:
+            trig = distill.Trigger(False, "Bootstrapping")
+            new.update(idleReason="Bootstrapping", message=(
+                "no round before spec.drafter.bootstrap has put the first drafter on the volume"))
+        elif s.distillation.enabled and not s.log_traffic:
             # The pods write no traffic: a round would learn from nothing, or from what an
             # earlier setting left on the volume, which is not what the switch says.
             trig = distill.Trigger(False, "TrafficLoggingOff")
@@ -474,20 +578,24 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
             retry = failures > 0
             round_ = int(d.get("round") or 0) + (0 if retry else 1)
             round_ = max(round_, 1)
-            jb = manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes)
-            jname = jb["metadata"]["name"]
+            jobset = s.distillation.nodes > 1 and await kube.has_api(manifests.JOBSET_API)
+            jb = manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes,
+                               jobset=jobset)
+            jname, kind = jb["metadata"]["name"], jb["kind"]
             foreign = None
             try:
-                await kube.create(jb)
+                created = await kube.create(jb)
             except kube.ApiError as e:
                 if e.status != 409:
                     raise
                 # Ours from a pass whose status was lost, or someone else's: look.
-                existing = await kube.get("Job", ns, jname)
-                ctl = _controller(existing or {})
-                if existing is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
-                    foreign = (f"Job {jname} already exists and is not controlled by this "
+                created = await kube.get(kind, ns, jname)
+                ctl = _controller(created or {})
+                if created is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
+                    foreign = (f"{kind} {jname} already exists and is not controlled by this "
                                f"AdaFlashService")
+            if not foreign and kind == "Job" and s.distillation.nodes > 1 and created:
+                await _ensure_rendezvous_service(created)
             if foreign:
                 failures += 1
                 delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
@@ -500,12 +608,12 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
                 conds = set_condition(conds, "DistillationFailed", True, "JobConflict", msg,
                                       _ts(now), gen)
             else:
-                msg = (f"started Job {jname} ({trig.reason}: {n_new} new records, parent "
+                msg = (f"started {kind} {jname} ({trig.reason}: {n_new} new records, parent "
                        f"{fleet})")
                 kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
                 metrics.DISTILL_JOBS.labels("started").inc()
                 new.update(activeJob=jname, activeJobPhase="Pending", round=round_,
-                           lastRoundAt=_ts(now))
+                           lastRoundAt=_ts(now), activeJobKind=kind)
                 if not retry:
                     new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"),
                                                               counts)
@@ -517,6 +625,15 @@ async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, f
         conds = set_condition(conds, "Progressing", True, "DistillationPending",
                               f"Job {active_now} is pending: just created", _ts(now), gen)
     return conds
+
+
+async def _ensure_rendezvous_service(job: dict) -> None:
+    """The headless Service a multi-node Job's pods find each other by (owned by the Job)."""
+    try:
+        await kube.create(manifests.rendezvous_service(job))
+    except kube.ApiError as e:
+        if e.status != 409:
+            raise
 
 
 async def _job_report(ns: str, pods: list[dict]) -> dict:
@@ -567,7 +684,8 @@ def _candidate(dv: dict) -> rollout.Candidate:
     ev = sp.get("eval") or {}
     return rollout.Candidate(version=sp["version"], parent=sp.get("parent") or "",
                              eval_tau=dict(ev.get("tau") or {}),
-                             parent_tau=dict(ev.get("parentTau") or {}))
+                             parent_tau=dict(ev.get("parentTau") or {}),
+                             gate=dict(ev.get("gate") or {}))
 
 
 async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_data: dict,

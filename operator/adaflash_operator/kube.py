@@ -58,6 +58,7 @@ RESOURCES = {
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     "Lease": ("coordination.k8s.io/v1", "leases"),
+    "JobSet": ("jobset.x-k8s.io/v1alpha2", "jobsets"),
     c.SERVICE_KIND: (c.API_VERSION, c.SERVICE_PLURAL),
     c.DRAFTER_KIND: (c.API_VERSION, c.DRAFTER_PLURAL),
 }

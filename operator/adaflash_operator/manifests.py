@@ -9,7 +9,10 @@ Names, for an AdaFlashService `NAME`:
     NAME               PodDisruptionBudget, NetworkPolicy (policies.py), HPA or ScaledObject
                        (autoscaling.py)
     NAME               Deployment and Service
-    NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars)
+    NAME-distill-R-A   Job of distillation round R, attempt A (hash-shortened past 63 chars);
+                       with distillation.nodes > 1 an Indexed Job and a headless Service of the
+                       same name (torchrun's rendezvous), or a JobSet where the cluster has one
+    NAME-bootstrap-A   Job that imports or trains the first drafter (spec.drafter.bootstrap)
     NAME-retention     CronJob that prunes old traffic and drafter versions
     NAME-vNNNNNN       DrafterVersion
 
@@ -99,7 +102,12 @@ def short_name(base: str, suffix: str, limit: int = 63) -> str:
 
 
 def job_name(name: str, round_: int, attempt: int) -> str:
-    return short_name(name, f"-distill-{round_}-{attempt}")
+    # 54: the pods of a JobSet of that name get the hostname `<name>-node-0-<index>` (63 at most)
+    return short_name(name, f"-distill-{round_}-{attempt}", 54)
+
+
+def bootstrap_job_name(name: str, attempt: int) -> str:
+    return short_name(name, f"-bootstrap-{attempt}", 54)
 
 
 def retention_name(name: str) -> str:
@@ -315,6 +323,31 @@ SERVING_COMMAND = ["sh", "-c", 'umask 027 && exec python -m sglang.launch_server
                    "sglang"]
 
 
+# The serving pods' init container: wait (not crash-loop) until the fleet's drafter is on the
+# volume, saying what it waits for; the operator reads its state into a condition.
+WAIT_SCRIPT = (
+    'v="$' + c.ENV_FLEET_VERSION + '"; m="$' + c.ENV_HOME + '/drafters/$v/manifest.json"; '
+    'until [ -f "$m" ]; do echo "adaflash: waiting for drafter $v ($m is not there): '
+    'spec.drafter.bootstrap makes it, or publish it (adaflash drafters import)"; sleep 10; done'
+)
+
+
+def wait_for_drafter(spec: ServiceSpec, fleet_configmap: str) -> Manifest:
+    return {
+        "name": c.WAIT_DRAFTER_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["sh", "-c", WAIT_SCRIPT],
+        "env": [{"name": c.ENV_HOME, "value": c.HOME},
+                {"name": c.ENV_FLEET_VERSION, "valueFrom": {"configMapKeyRef": {
+                    "name": fleet_configmap, "key": c.FLEET_VERSION_KEY}}}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "home", "mountPath": c.HOME, "readOnly": True}],
+    }
+
+
 def _probe(path_: str, **kw: int) -> Manifest:
     return {"httpGet": {"path": path_, "port": "http"}, **kw}
 
@@ -359,6 +392,7 @@ def deployment(owner: Manifest, spec: ServiceSpec) -> Manifest:
     pod_spec: Manifest = {
         "serviceAccountName": serving_account_name(name),
         "securityContext": POD_SECURITY,
+        "initContainers": [wait_for_drafter(spec, configmap_name(name))],
         "containers": [container],
         "volumes": [
             {"name": "home", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
@@ -415,32 +449,61 @@ def distill_args(spec: ServiceSpec, parent: str) -> list[str]:
         "--report", c.TERMINATION_LOG,
         # Too few new records is a report, not a failure: the Job completes (docs/contracts.md).
         "--idle-exit-code", "0",
+        # The Job's gate asks the gain the rollout gate asks (its decision is in the report).
+        "--gate-min-gain", f"{spec.rollout.min_tau_gain:g}",
     ] + list(spec.distillation.extra_args)
 
 
-def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str,
-        claim_modes: list[str] | None = None) -> Manifest:
-    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    jname = job_name(name, round_, attempt)
+#: torchrun's rendezvous port on a multi-node Job's first pod.
+RENDEZVOUS_PORT = 29500
+#: The JobSet API the operator uses where the cluster serves it (detected, not assumed).
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+JOBSET_REPLICA = "node"
+
+
+def rendezvous_host(jname: str, namespace: str, jobset: bool = False) -> str:
+    """DNS name of a multi-node Job's first pod: an Indexed Job's pods are `<job>-<index>`
+    under the headless Service `<job>`; a JobSet's `<jobset>-<replica>-0-<index>` under the
+    subdomain it creates, named after the JobSet."""
+    pod = f"{jname}-{JOBSET_REPLICA}-0-0" if jobset else f"{jname}-0"
+    return f"{pod}.{jname}.{namespace}.svc"
+
+
+def launcher(gpus: int, nodes: int, jname: str, namespace: str, module: str, *,
+             jobset: bool = False) -> list[str]:
+    """The container's command: torchrun with a process per GPU of the pod (and, over several
+    nodes, c10d rendezvous at the first pod), or plain python for one process."""
+    if gpus <= 1 and nodes <= 1:
+        return ["python", "-m", module]
+    cmd = ["torchrun", f"--nproc-per-node={max(1, gpus)}"]
+    if nodes > 1:
+        cmd += [f"--nnodes={nodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rendezvous_host(jname, namespace, jobset)}:"
+                f"{RENDEZVOUS_PORT}", f"--rdzv-id={jname}"]
+    return cmd + ["-m", module]
+
+
+def _training_pod(name: str, spec: ServiceSpec, container: str, command: list[str],
+                  args: list[str], resources: dict, gpus: int,
+                  claim_modes: list[str] | None) -> Manifest:
+    """Pod spec of the Jobs that train (distillation, bootstrap): the shared volume, the
+    termination message as the report, no API token, their own ServiceAccount, the serving
+    pods' placement by default (placement.job_pod)."""
     d = spec.distillation
-    pod_labels = {**labels(name, "distill"), c.LABEL_ROUND: str(round_),
-                  c.LABEL_DISTILL_JOB: jname}
     pod_spec: Manifest = {
         "restartPolicy": "Never",
         # The job never calls the API: no token in its pods.
         "automountServiceAccountToken": False,
         "securityContext": POD_SECURITY,
         "containers": [{
-            "name": c.DISTILL_CONTAINER,
+            "name": container,
             "image": d.image,
             "imagePullPolicy": spec.image_pull_policy,
-            "command": ["python", "-m", "training_job.distill"],
-            "args": distill_args(spec, parent),
+            "command": command,
+            "args": args,
             "env": [{"name": c.ENV_HOME, "value": c.HOME}, {"name": "HOME", "value": "/tmp"},
                     {"name": "HF_HOME", "value": f"{c.HOME}/hf-cache"}],
-            # The job loads the target like a serving pod: without its own resources it takes
-            # the serving pods' (docs/operator.md).
-            "resources": _resources(d.resources or spec.resources, d.gpus),
+            "resources": _resources(resources, gpus),
             "terminationMessagePath": c.TERMINATION_LOG,
             "terminationMessagePolicy": "File",
             "securityContext": CONTAINER_SECURITY,
@@ -458,18 +521,115 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
     # the serving pod's node when the claim is single-node.
     modes = placement.spec_claim_modes(spec) if claim_modes is None else claim_modes
     pod_spec.update(placement.job_pod(spec, selector(name), modes, name))
+    return pod_spec
+
+
+def _job_spec(pod_labels: dict, pod_spec: Manifest, deadline: int, nodes: int = 1) -> Manifest:
+    body: Manifest = {
+        # The operator retries with its own backoff and records every failure in status.
+        "backoffLimit": 0,
+        "activeDeadlineSeconds": deadline,
+        "ttlSecondsAfterFinished": 7 * 24 * 3600,
+        "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+    }
+    if nodes > 1:
+        # One pod per node, each `<job>-<index>`; any pod's failure fails the Job.
+        body.update(completionMode="Indexed", completions=nodes, parallelism=nodes)
+    return body
+
+
+def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: str,
+        claim_modes: list[str] | None = None, *, jobset: bool = False) -> Manifest:
+    """The distillation Job of a round: one pod (torchrun over its GPUs), or with
+    ``distillation.nodes > 1`` an Indexed Job of that many pods whose torchruns meet at the
+    first pod (c10d), found through the headless Service :func:`rendezvous_service` of the same
+    name; with ``jobset`` a JobSet instead, which makes its own headless Service."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    jname = job_name(name, round_, attempt)
+    d = spec.distillation
+    pod_labels = {**labels(name, "distill"), c.LABEL_ROUND: str(round_),
+                  c.LABEL_DISTILL_JOB: jname}
+    pod_spec = _training_pod(name, spec, c.DISTILL_CONTAINER,
+                             launcher(d.gpus, d.nodes, jname, ns, "training_job.distill",
+                                      jobset=jobset),
+                             distill_args(spec, parent), d.resources or spec.resources, d.gpus,
+                             claim_modes)
+    if d.nodes > 1:
+        pod_spec["containers"][0]["ports"] = [{"name": "rendezvous",
+                                               "containerPort": RENDEZVOUS_PORT}]
+        if not jobset:
+            pod_spec["subdomain"] = jname
     meta = _meta(jname, ns, "distill", owner)
     meta["labels"][c.LABEL_ROUND] = str(round_)
+    body = _job_spec(pod_labels, pod_spec, d.active_deadline_seconds, d.nodes)
+    if jobset:
+        return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": meta, "spec": {
+            "network": {"enableDNSHostnames": True, "subdomain": jname,
+                        "publishNotReadyAddresses": True},
+            "failurePolicy": {"maxRestarts": 0},
+            "replicatedJobs": [{"name": JOBSET_REPLICA, "replicas": 1,
+                                "template": {"spec": body}}],
+        }}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": body}
+
+
+def bootstrap_args(spec: ServiceSpec) -> list[str]:
+    """Arguments of `python -m training_job.bootstrap` (docs/operator.md, "Bootstrap")."""
+    b = spec.bootstrap
+    args = ["--home", c.HOME, "--target", spec.target, "--version", spec.initial_version,
+            "--report", c.TERMINATION_LOG]
+    if b.source == "Import":
+        args += ["--import", f"{c.HOME}/{b.path}"]
+    else:
+        args += ["--train"] + (["--prompts", f"{c.HOME}/{b.path}"] if b.path else [])
+    return args + (["--", *b.extra_args] if b.extra_args else [])
+
+
+#: An import reads a checkpoint and the target's config: no GPU, little memory.
+IMPORT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+
+
+def bootstrap_job(owner: Manifest, spec: ServiceSpec, attempt: int,
+                  claim_modes: list[str] | None = None) -> Manifest:
+    """The Job that puts the first drafter (spec.drafter.initialVersion) on the volume: an
+    import (one small process), or the offline recipe (one pod, torchrun over its GPUs)."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    jname = bootstrap_job_name(name, attempt)
+    d = spec.distillation
+    train = spec.bootstrap.source == "Train"
+    command = launcher(d.gpus if train else 0, 1, jname, ns, "training_job.bootstrap")
+    pod_spec = _training_pod(name, spec, c.BOOTSTRAP_CONTAINER, command, bootstrap_args(spec),
+                             (d.resources or spec.resources) if train else IMPORT_RESOURCES,
+                             d.gpus if train else 0, claim_modes)
+    pod_labels = {**labels(name, "bootstrap"), c.LABEL_DISTILL_JOB: jname}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(jname, ns, "bootstrap", owner),
+            "spec": _job_spec(pod_labels, pod_spec, d.active_deadline_seconds)}
+
+
+def rendezvous_service(job_: Manifest) -> Manifest:
+    """The headless Service of a multi-node Job: DNS names for its pods (`<job>-<index>.<job>`),
+    so every node's torchrun finds the first one. Owned by the Job: it goes when the Job does."""
+    meta = job_["metadata"]
+    jname, ns = meta["name"], meta["namespace"]
+    # No blockOwnerDeletion: where OwnerReferencesPermissionEnforcement is on, setting it needs
+    # update on jobs/finalizers, which the operator does not hold (and a Service left a moment
+    # after its Job in a foreground deletion costs nothing). The garbage collector still
+    # deletes the Service with the Job.
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": jname, "uid": meta["uid"],
+             "controller": True}
     return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta,
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": jname, "namespace": ns, "labels": dict(meta.get("labels") or {}),
+                     "ownerReferences": [owner]},
         "spec": {
-            # The operator retries with its own backoff and records every failure in status.
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": d.active_deadline_seconds,
-            "ttlSecondsAfterFinished": 7 * 24 * 3600,
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "clusterIP": "None",
+            # The pods need their names before they are ready: torchrun starts the rendezvous.
+            "publishNotReadyAddresses": True,
+            "selector": {c.LABEL_DISTILL_JOB: jname},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT,
+                       "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}],
         },
     }
 

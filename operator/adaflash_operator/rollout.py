@@ -47,6 +47,7 @@ class PodInfo:
     error: str | None = None
     records: int = 0
     override: str | None = None  # an admin override's version: the operator does not steer it
+    waiting_for_drafter: bool = False  # its init container waits for the drafter on the volume
 
     @classmethod
     def from_pod(cls, pod: dict) -> PodInfo:
@@ -63,7 +64,16 @@ class PodInfo:
             error=ann.get(c.LOAD_ERROR) or None,
             records=_int(ann.get(c.TRAFFIC_RECORDS)),
             override=ann.get(c.OVERRIDE) or None,
+            waiting_for_drafter=_waiting(pod),
         )
+
+
+def _waiting(pod: dict) -> bool:
+    """Whether the pod's init container is still waiting for the fleet's drafter."""
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if cs.get("name") == c.WAIT_DRAFTER_CONTAINER:
+            return "running" in (cs.get("state") or {})
+    return False
 
 
 def _float(s: str | None) -> float | None:
@@ -87,6 +97,7 @@ class Candidate:
     parent: str = ""
     eval_tau: dict[str, float] = field(default_factory=dict)
     parent_tau: dict[str, float] = field(default_factory=dict)
+    gate: dict = field(default_factory=dict)  # the Job's decision (eval.gate of its report)
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,14 @@ def gate(cand: Candidate, serving: str, serving_eval: dict[str, float] | None,
 
     The baseline is the parent's tau measured by the Job on the same held-out records when the
     candidate was distilled from the serving version; otherwise the serving version's own eval.
+    In the first case the Job's own gate (noise estimate and per-domain floor, eval.gate) must
+    have passed too; its decision is recorded in the DrafterVersion's status.
     """
+    job_gate = cand.gate if cand.parent == serving and "passed" in cand.gate else None
+    if job_gate is not None and not job_gate["passed"]:
+        return False, "GateFailed", (f"{cand.version}: the Job's gate failed "
+                                     f"({job_gate.get('reason', '?')}): "
+                                     f"{job_gate.get('message', '')}").strip(), {"gate": job_gate}
     if cand.parent == serving and cand.parent_tau:
         domains = set(cand.eval_tau) & set(cand.parent_tau) or None
         base, where = mean_tau(cand.parent_tau, domains), f"parent {serving}, same records"
@@ -141,7 +159,7 @@ def gate(cand: Candidate, serving: str, serving_eval: dict[str, float] | None,
     if tau is None:
         return False, "NoEvaluation", (f"{cand.version} has no held-out eval tau; the Job must "
                                        f"report eval.tau by domain"), {}
-    fields = {"evalTau": round(tau, 4)}
+    fields = {"evalTau": round(tau, 4), **({"gate": job_gate} if job_gate else {})}
     if base is None:
         return True, "GatePassed", (f"{cand.version} eval tau {tau:.3f}; no baseline for "
                                     f"{serving or 'the fleet'}, gate passes on its own"), fields

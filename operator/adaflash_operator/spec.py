@@ -78,15 +78,19 @@ def cross_field_problems(spec: dict) -> list[str]:
     st, sv, di = spec["storage"], spec["serving"], spec["distillation"]
     single = not st.get("existingClaim") and st["accessMode"] != "ReadWriteMany"
     us, auto = sv["updateStrategy"], spec["autoscaling"]
+    boot = spec["drafter"].get("bootstrap")
     broken = [
         single and spec["replicas"] > 1,
         single and st["accessMode"] == "ReadWriteOncePod" and
-        (di["enabled"] or spec["retention"]["enabled"]),
+        (di["enabled"] or spec["retention"]["enabled"] or boot is not None),
         single and us["type"] != "Recreate" and not _zero(us["maxSurge"]),
         auto["enabled"] and single and auto["maxReplicas"] > 1,
         auto["minReplicas"] > auto["maxReplicas"],
         di["maxBackoffSeconds"] < di["backoffSeconds"],
+        single and di["nodes"] > 1,
+        boot is not None and boot["source"] == "Import" and not boot.get("path"),
     ]
+    assert len(broken) == len(crds.SPEC_RULES)
     out = [f"spec: {r['message']}" for r, bad in zip(crds.SPEC_RULES, broken) if bad]
     for rule, bad in zip(crds.ROLLING_RULES, [
         not (us["maxSurge"] >= 0 if isinstance(us["maxSurge"], int)
@@ -142,10 +146,18 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    source: str  # Import | Train
+    path: str  # relative to the claim's root; "" (Train): the volume's traffic
+    extra_args: list[str]
+
+
+@dataclass(frozen=True)
 class Distillation:
     enabled: bool
     image: str
     gpus: int
+    nodes: int
     resources: dict
     min_new_records: int
     interval_seconds: int
@@ -188,6 +200,7 @@ class ServiceSpec:
     delete_storage_with_service: bool
     initial_version: str
     pinned_version: str
+    bootstrap: Bootstrap | None
     distillation: Distillation
     rollout: Rollout
     retention: Retention
@@ -237,10 +250,15 @@ def parse(raw: dict | None) -> ServiceSpec:
         delete_storage_with_service=st["deleteWithService"],
         initial_version=dr["initialVersion"],
         pinned_version=dr.get("pinnedVersion", ""),
+        bootstrap=Bootstrap(source=dr["bootstrap"]["source"],
+                            path=dr["bootstrap"].get("path", ""),
+                            extra_args=list(dr["bootstrap"].get("extraArgs", [])))
+        if dr.get("bootstrap") else None,
         distillation=Distillation(
             enabled=di["enabled"],
             image=di.get("image") or sv["image"],
             gpus=di["gpus"],
+            nodes=di["nodes"],
             resources=dict(di.get("resources", {})),
             min_new_records=di["minNewRecords"],
             interval_seconds=di["intervalSeconds"],

@@ -1,4 +1,4 @@
-"""`adaflash drafters list|show|publish|pin`: the versions on the shared volume, by hand.
+"""`adaflash drafters list|show|publish|import|pin`: the versions on the shared volume, by hand.
 
 The same store functions the distillation job and the serving side use
 (:mod:`sglang_adaflash.drafter.store`), so what a person publishes or pins here is exactly what a
@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("drafters", help="list, show, publish and pin drafter versions",
                        description="Drafter versions on the shared volume ($ADAFLASH_HOME/drafters).")
     verbs = p.add_subparsers(dest="drafters_command", required=True,
-                             metavar="{list,show,publish,pin}")
+                             metavar="{list,show,publish,import,pin}")
 
     def home(q):
         q.add_argument("--home", default=os.environ.get(ENV_HOME, DEFAULT_HOME),
@@ -47,6 +47,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--target", required=True, metavar="DIR",
                    help="the target directory it was trained for (its config is fingerprinted)")
     q.add_argument("--parent", default=None, help="version it was trained from, if any")
+    q = verbs.add_parser("import", help="publish a published DFlash checkpoint as the first "
+                                        "version, with a length head (a new target's start)")
+    home(q)
+    q.add_argument("checkpoint", metavar="DIR",
+                   help="a published DFlash checkpoint (config.json, model.safetensors)")
+    q.add_argument("--target", required=True, metavar="DIR",
+                   help="the target directory it drafts for (its config is fingerprinted)")
+    q.add_argument("--target-name", default=None,
+                   help="the target's name in the manifest (default: the directory's name; the "
+                        "distillation job records its --target there)")
+    q.add_argument("--neutral-ratio", type=float, default=None, metavar="R",
+                   help="what the length head a plain DFlash checkpoint is given predicts until "
+                        "the first distillation round trains it (default 0.95: verify almost "
+                        "the whole block, as DFlash does)")
     q = verbs.add_parser("pin", help="write the fleet version file that serving processes poll")
     home(q)
     q.add_argument("version", nargs="?", help="v000001, ... or latest")
@@ -183,19 +197,26 @@ def _check_fits_target(checkpoint: str, target: str) -> None:
     """A drafter must share the target's width and vocabulary (it borrows its embedding and
     LM head) and read only layers the target has."""
     from ..drafter.checkpoint import CheckpointError, read_config
+    from ..drafter.importing import check_fits_target
 
     try:
-        cfg = read_config(checkpoint)
+        check_fits_target(read_config(checkpoint), target)
     except CheckpointError as e:
+        raise CLIError(f"{checkpoint}: {e}") from None
+
+
+def cmd_import(args) -> int:
+    from ..drafter.checkpoint import CheckpointError
+    from ..drafter.importing import NEUTRAL_RATIO, import_checkpoint
+
+    ratio = NEUTRAL_RATIO if args.neutral_ratio is None else args.neutral_ratio
+    try:
+        version = import_checkpoint(args.home, args.checkpoint, args.target,
+                                    target_name=args.target_name, ratio=ratio)
+    except (CheckpointError, ValueError) as e:
         raise CLIError(str(e)) from None
-    tc = json.loads((Path(target) / "config.json").read_text())
-    tc = tc.get("text_config", tc)
-    wrong = [f"{k} {getattr(cfg, a)} != target's {tc.get(k)}"
-             for k, a in (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"),
-                          ("num_hidden_layers", "num_target_layers"))
-             if tc.get(k) is not None and tc.get(k) != getattr(cfg, a)]
-    if wrong:
-        raise CLIError(f"{checkpoint} does not fit target {target}: " + "; ".join(wrong))
+    print(version)
+    return 0
 
 
 def cmd_pin(args) -> int:
@@ -229,5 +250,5 @@ def cmd_pin(args) -> int:
 
 
 def cmd_drafters(args) -> int:
-    return {"list": cmd_list, "show": cmd_show, "publish": cmd_publish,
+    return {"list": cmd_list, "show": cmd_show, "publish": cmd_publish, "import": cmd_import,
             "pin": cmd_pin}[args.drafters_command](args)

@@ -20,7 +20,7 @@ class TrafficSink:
     """Writes finished requests of one CLI run to a writer directory (closed on exit)."""
 
     def __init__(self, directory: str | Path, *, model: str, drafter_version: str | None,
-                 include_text: bool = False):
+                 include_text: bool = False, target_digest: str | None = None):
         from ..serving.traffic import TrafficError, TrafficWriter
 
         d = Path(directory)
@@ -35,6 +35,7 @@ class TrafficSink:
         except OSError as e:
             raise CLIError(f"--traffic-dir {directory} cannot be written: {e}") from None
         self.model, self.drafter_version = model, drafter_version
+        self.target_digest = target_digest
         self.written = 0
 
     def write(self, out, sampling, tokenizer=None, request_id: str | None = None) -> None:
@@ -56,7 +57,7 @@ class TrafficSink:
             sampling={"temperature": sampling.temperature, "top_p": sampling.top_p,
                       "top_k": sampling.top_k},
             accept_lens=list(out.stats.accept_lens), finish_reason=out.finish_reason,
-            domain=out.domain, **text))
+            domain=out.domain, target_digest=self.target_digest, **text))
         self.written += 1
 
     def close(self) -> None:
@@ -79,6 +80,9 @@ def open_sink(args, mode: str) -> TrafficSink | None:
     directory = getattr(args, "traffic_dir", None)
     if not directory:
         return None
+    from ..serving.traffic import target_digest_of
+
     drafter = getattr(args, "drafter", None) if mode != "ar" else None
     return TrafficSink(directory, model=Path(str(args.target)).name,
-                       drafter_version=drafter_version_of(drafter))
+                       drafter_version=drafter_version_of(drafter),
+                       target_digest=target_digest_of(args.target))

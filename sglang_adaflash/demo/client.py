@@ -7,7 +7,7 @@ version twice a second: that timeline is where throughput per version and "servi
 stopped" come from.
 
 Plain decoding is measured beside it in the same run: given a ``baseline`` replayer (a second
-``adaflash serve --mode ar``), a worker sends every ``baseline_every``-th prompt there too, right
+``adaflash serve --mode ar``), a worker sends every ``baseline_every``-th prompt of each domain there too, right
 after the speculative server answered it and before its next request. Only one of the two
 servers works at a time, so both see the same machine (the distiller busy on the other core),
 and the pair of answers to one prompt is what the speedup is computed from (report.py).
@@ -98,7 +98,7 @@ class Replayer:
         lock = threading.Lock()
         answers: list[Answer] = []
         errors: list[BaseException] = []
-        sent = [0]
+        sent: dict[str, int] = {}  # answers per domain: each domain gets its own plain baseline
 
         def next_prompt() -> Prompt | None:
             with lock:
@@ -112,8 +112,8 @@ class Replayer:
                     a, _ = self.ask(p, phase)
                     with lock:
                         answers.append(a)
-                        sent[0] += 1
-                        pair_it = self.baseline is not None and sent[0] % self.baseline_every == 1 % self.baseline_every
+                        n = sent[p.domain] = sent.get(p.domain, 0) + 1
+                        pair_it = self.baseline is not None and n % self.baseline_every == 1 % self.baseline_every
                     if on_answer is not None:
                         on_answer(a)
                     if pair_it and a.ok:  # the same prompt through plain decoding, before the next one

@@ -54,7 +54,8 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def read_config(path: str | os.PathLike) -> DrafterConfig:
+def read_config(path: str | os.PathLike, *, resolved: dict | None = None) -> DrafterConfig:
+    """The checkpoint's config; ``resolved`` as in :meth:`DrafterConfig.from_dict`."""
     cfg_path = Path(path) / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
@@ -65,7 +66,7 @@ def read_config(path: str | os.PathLike) -> DrafterConfig:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path} must hold a JSON object, found {type(raw).__name__}")
     try:
-        return DrafterConfig.from_dict(raw)
+        return DrafterConfig.from_dict(raw, resolved=resolved)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
 
@@ -111,7 +112,7 @@ def check_state_dict(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: 
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, verify_manifest: bool = True
+    path: str | os.PathLike, *, verify_manifest: bool = True, resolved: dict | None = None
 ) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """Load and fully validate a checkpoint; returns (config, CPU state dict)."""
     path = Path(path)
@@ -122,7 +123,7 @@ def read_checkpoint(
             verify_manifest_files(path)
         except ManifestError as e:
             raise CheckpointError(str(e)) from None
-    cfg = read_config(path)
+    cfg = read_config(path, resolved=resolved)
     state = _load_tensors(path)
     check_state_dict(cfg, state, where=str(path))
     declared = cfg.torch_dtype

@@ -70,14 +70,32 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
-        """Parse a config.json dict, filling DFlash's defaults and checking consistency."""
+    def from_dict(cls, raw: dict[str, Any], *, resolved: dict[str, Any] | None = None) -> DrafterConfig:
+        """Parse a config.json dict, filling DFlash's defaults and checking consistency.
+
+        Every spelling SGLang's DFLASH reads is accepted: ``num_target_layers``, ``block_size``,
+        ``target_layer_ids`` and ``mask_token_id`` inside ``dflash_config`` (which wins) or at
+        the top level. A drafter that names its mask token only as a string (``mask_token``)
+        needs the tokenizer to become an id, and a drafter may leave ``num_target_layers`` to
+        the target's config: a caller that resolved them (the SGLang worker does) passes them
+        in ``resolved`` ({"mask_token": str, "mask_token_id": int, "num_target_layers": int});
+        the file wins, and a resolved id is used only for the token string it was resolved from.
+        """
         raw = copy.deepcopy(raw)
+        resolved = resolved or {}
+        dflash = raw.get("dflash_config") or {}
+        ada = raw.get("adaflash_config") or {}
+
+        def spelled(key: str, default: Any = None) -> Any:
+            for value in (dflash.get(key), raw.get(key), resolved.get(key)):
+                if value is not None:
+                    return value
+            return default
+
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
-            num_target_layers = int(raw["num_target_layers"])
             vocab = int(raw["vocab_size"])
             intermediate = int(raw["intermediate_size"])
         except KeyError as e:
@@ -85,15 +103,27 @@ class DrafterConfig:
                 f"drafter config.json lacks the key {e.args[0]!r}: a DFlash drafter config is a "
                 "Qwen3 config plus block_size, num_target_layers and dflash_config"
             ) from None
-        dflash = raw.get("dflash_config") or {}
-        ada = raw.get("adaflash_config") or {}
-        if "mask_token_id" not in dflash:
+        num_target_layers = spelled("num_target_layers")
+        if num_target_layers is None:
             raise ConfigError(
-                "drafter config.json has no dflash_config.mask_token_id: the drafter cannot "
-                "fill its block without knowing the mask token; add it (it must be a token id "
-                "of the target's vocabulary)"
+                "drafter config.json has no num_target_layers (top level or in dflash_config): "
+                "add the number of layers of the target the drafter reads"
             )
-        layer_ids = dflash.get("target_layer_ids")
+        num_target_layers = int(num_target_layers)
+        mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        named = spelled("mask_token")
+        if mask_token_id is None and named in (None, resolved.get("mask_token")):
+            # a resolved id stands only for the token string it was resolved from
+            mask_token_id = resolved.get("mask_token_id")
+        if mask_token_id is None:
+            raise ConfigError(
+                "drafter config.json has no dflash_config.mask_token_id"
+                + (f" (only the mask token string {named!r}, which needs the target's tokenizer)"
+                   if named else "")
+                + ": the drafter cannot fill its block without knowing the mask token; add "
+                "mask_token_id (a token id of the target's vocabulary)"
+            )
+        layer_ids = spelled("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, layers)
         cfg = cls(
@@ -105,9 +135,9 @@ class DrafterConfig:
             head_dim=int(raw.get("head_dim") or hidden // heads),
             vocab_size=vocab,
             num_target_layers=num_target_layers,
-            mask_token_id=int(dflash["mask_token_id"]),
+            mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in layer_ids],
-            block_size=int(raw.get("block_size", 16)),
+            block_size=int(spelled("block_size", 16)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),

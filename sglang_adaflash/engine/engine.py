@@ -134,7 +134,7 @@ class SpecEngine:
         probe_every: int = 16,
         probe_share: float = 0.02,
         explore: bool = False,
-        lengths_from: str = "head",
+        lengths_from: str = "history",
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],

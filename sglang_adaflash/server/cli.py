@@ -201,7 +201,10 @@ def build_server(args):
         except (OSError, TrafficError) as e:
             raise CLIError(f"cannot write traffic records under {home / 'traffic'} ({e}); pass --home DIR "
                            "you can write to, or --no-traffic") from None
-        recorder = TrafficRecorder(writer, model=name, tokenizer=pair.tokenizer)
+        from ..serving.traffic import target_digest_of
+
+        recorder = TrafficRecorder(writer, model=name, tokenizer=pair.tokenizer,
+                                   target_digest=target_digest_of(args.target))
 
     env = reload_env(home, follow)
     reloader = None

@@ -28,9 +28,11 @@ _CLOSE = object()
 
 
 class TrafficRecorder:
-    def __init__(self, writer: TrafficWriter, *, model: str, tokenizer=None):
+    def __init__(self, writer: TrafficWriter, *, model: str, tokenizer=None,
+                 target_digest: str | None = None):
         self.writer = writer
         self.model = model
+        self.target_digest = target_digest
         # Text is decoded here, on this thread: a private tokenizer copy, since Hugging Face
         # fast tokenizers are not safe to share with the event loop's thread.
         self._tokenizer = copy.deepcopy(tokenizer) if writer.include_text and tokenizer else None
@@ -84,6 +86,7 @@ class TrafficRecorder:
             accept_lens=list(s.accept_lens),
             finish_reason=finish,
             domain=out.domain,
+            target_digest=self.target_digest,
         )
         if self._tokenizer is not None:
             record.prompt_text = self._tokenizer.decode(out.prompt_ids, skip_special_tokens=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -73,6 +74,38 @@ class SpecStepStats:
                     f"SpecStepStats: request {i} accepted {acc} proposals but only {cand - 1} "
                     "were verified; accept lengths must not count the bonus token"
                 )
+
+    @classmethod
+    def trusted(
+        cls,
+        block_size: int,
+        candidate_lengths: list[int],
+        accept_lengths: list[int],
+        domains: list[str | None] | None = None,
+    ) -> SpecStepStats:
+        """A record whose producer already guarantees the bounds (the SGLang worker clamps
+        them), built without the per-request checks: this runs once per decode step on the
+        scheduler thread."""
+        stats = object.__new__(cls)
+        stats.block_size = block_size
+        stats.candidate_lengths = candidate_lengths
+        stats.accept_lengths = accept_lengths
+        stats.domains = domains
+        return stats
+
+    @classmethod
+    def merged(cls, steps: Sequence[SpecStepStats]) -> SpecStepStats:
+        """Several steps of one block size as one record (drafts concatenated)."""
+        lens: list[int] = []
+        acc: list[int] = []
+        domains: list[str | None] = []
+        for s in steps:
+            lens += s.candidate_lengths
+            acc += s.accept_lengths
+            domains += s.domains if s.domains is not None else [None] * s.num_drafts
+        return cls.trusted(
+            steps[0].block_size, lens, acc, domains if any(domains) else None
+        )
 
     @property
     def num_drafts(self) -> int:
@@ -257,25 +290,30 @@ class PrometheusSink:
         )
 
     def observe_step(self, stats: SpecStepStats) -> None:
-        # Aggregate per domain first, so a batch costs one increment per series, not per request.
-        per_domain: dict[str, list[int]] = {}
-        by_position: dict[tuple[str, int], int] = {}
+        # Aggregate per domain first, so a batch costs one update per series and bucket, not
+        # per request: counts of each candidate length, and of each accept length (the drafts
+        # accepted at position k are those whose accept length is >= k, a suffix sum).
+        per_domain: dict[str, tuple[list[int], list[int]]] = {}
+        block = stats.block_size
         for i, (cand, acc) in enumerate(zip(stats.candidate_lengths, stats.accept_lengths)):
-            label = self._domain(stats.domain_of(i))
-            agg = per_domain.setdefault(label, [0, 0, 0])
-            agg[0] += 1
-            agg[1] += cand - 1
-            agg[2] += acc
-            self.candidate_length.labels(label).observe(cand)
-            for pos in range(1, min(acc, self._max_position) + 1):
-                by_position[(label, pos)] = by_position.get((label, pos), 0) + 1
-        for label, (drafts, verified, accepted) in per_domain.items():
+            label = self._domain(stats.domain_of(i)) if stats.domains is not None else NO_DOMAIN
+            agg = per_domain.get(label)
+            if agg is None:
+                agg = per_domain[label] = ([0] * (block + 1), [0] * (block + 1))
+            agg[0][cand] += 1
+            agg[1][acc] += 1
+        for label, (by_len, by_acc) in per_domain.items():
+            drafts = sum(by_len)
             self.drafts.labels(label).inc(drafts)
-            self.draft_tokens.labels(label).inc(drafts * (stats.block_size - 1))
-            self.verified_tokens.labels(label).inc(verified)
-            self.accepted_tokens.labels(label).inc(accepted)
-        for (label, pos), n in by_position.items():
-            self.accepted_by_position.labels(str(pos), label).inc(n)
+            self.draft_tokens.labels(label).inc(drafts * (block - 1))
+            self.verified_tokens.labels(label).inc(sum((n - 1) * c for n, c in enumerate(by_len) if c))
+            self.accepted_tokens.labels(label).inc(sum(a * c for a, c in enumerate(by_acc) if c))
+            _observe_counts(self.candidate_length.labels(label), by_len)
+            reached = 0
+            for pos in range(block, 0, -1):
+                reached += by_acc[pos]
+                if reached and pos <= self._max_position:
+                    self.accepted_by_position.labels(str(pos), label).inc(reached)
 
     def set_drafter_version(self, version: str) -> None:
         with self._lock:
@@ -291,6 +329,69 @@ class PrometheusSink:
 
     def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
         self.traffic_records.labels(self._domain(domain)).inc(n)
+
+
+def _observe_counts(histogram, counts: Sequence[int]) -> None:
+    """``counts[v]`` observations of each integer value ``v`` in one update per bucket.
+
+    prometheus_client has no bulk observe; this writes the same per-bucket counts and sum that
+    ``observe`` would, through the child's own value objects (also in multiprocess mode).
+    Falls back to ``observe`` if the client's internals differ."""
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if buckets is None or bounds is None or total is None:  # another client version
+        for v, c in enumerate(counts):
+            for _ in range(c):
+                histogram.observe(v)
+        return
+    per_bucket = [0] * len(bounds)
+    for v, c in enumerate(counts):
+        if c:
+            per_bucket[next(i for i, b in enumerate(bounds) if v <= b)] += c
+    for i, c in enumerate(per_bucket):
+        if c:
+            buckets[i].inc(c)
+    total.inc(sum(v * c for v, c in enumerate(counts)))
+
+
+class BackgroundSink:
+    """Takes step records on the caller's thread in O(1) and forwards them, merged, from a
+    daemon thread every ``interval_s`` seconds: the SGLang scheduler thread (which also
+    launches the next step) never pays the per-request work of the sinks. Version and reload
+    events go through at once (they are rare and others read them right away)."""
+
+    def __init__(self, sink: MetricsSink, interval_s: float = 1.0, max_pending: int = 100_000):
+        from .background import BackgroundLoop
+
+        self.sink = sink
+        self._pending: deque[SpecStepStats] = deque(maxlen=max_pending)
+        self._loop = BackgroundLoop(self.flush, interval_s, name="adaflash-metrics")
+        self._loop.start()
+
+    def observe_step(self, stats: SpecStepStats) -> None:
+        self._pending.append(stats)  # deque.append is atomic: no lock on the hot path
+
+    def flush(self) -> None:
+        by_block: dict[int, list[SpecStepStats]] = {}
+        while self._pending:
+            s = self._pending.popleft()
+            by_block.setdefault(s.block_size, []).append(s)
+        for steps in by_block.values():
+            self.sink.observe_step(SpecStepStats.merged(steps))
+
+    def stop(self) -> None:
+        self._loop.stop()
+        self.flush()
+
+    def set_drafter_version(self, version: str) -> None:
+        self.sink.set_drafter_version(version)
+
+    def count_reload(self, result: str) -> None:
+        self.sink.count_reload(result)
+
+    def count_traffic_records(self, n: int = 1, domain: str | None = None) -> None:
+        self.sink.count_traffic_records(n, domain)
 
 
 @dataclass
@@ -323,9 +424,13 @@ class LoggingSink:
             t.accepted_by_position.extend(
                 [0] * (stats.block_size - 1 - len(t.accepted_by_position))
             )
+        by_acc = [0] * stats.block_size
         for acc in stats.accept_lengths:
-            for pos in range(acc):
-                t.accepted_by_position[pos] += 1
+            by_acc[min(acc, stats.block_size - 1)] += 1
+        reached = 0
+        for pos in range(stats.block_size - 1, 0, -1):
+            reached += by_acc[pos]
+            t.accepted_by_position[pos - 1] += reached
         now = self._clock()
         if now - self._since >= self.interval_s:
             self._log.info("%s", self.summary())

@@ -61,7 +61,19 @@ UNREADABLE = "unreadable"  # a whole shard that could not be opened or read
 MAX_PROBLEMS = 50
 
 _SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k"})
-_OPTIONAL_STR_FIELDS = ("drafter_version", "finish_reason", "domain", "prompt_text", "output_text")
+_OPTIONAL_STR_FIELDS = ("drafter_version", "finish_reason", "domain", "prompt_text", "output_text",
+                        "target_digest")
+
+
+def target_digest_of(target) -> str | None:
+    """The config digest of a target directory (what records carry as ``target_digest``), or
+    None when ``target`` is not a readable directory (a hub id)."""
+    from ..drafter.manifest import ManifestError, target_fingerprint
+
+    try:
+        return target_fingerprint(target)["config_digest"] if Path(str(target)).is_dir() else None
+    except (ManifestError, OSError, ValueError):
+        return None
 
 
 class TrafficError(ValueError):
@@ -120,6 +132,9 @@ class TrafficRecord:
     ts: float = field(default_factory=time.time)
     prompt_text: str | None = None
     output_text: str | None = None
+    # The served target's config digest (drafter.manifest.config_digest), when the writer knows
+    # it: the training job skips records of another target.
+    target_digest: str | None = None
 
     def validate(self) -> None:
         problem = record_problem(self.to_json(include_text=True))
@@ -139,6 +154,8 @@ class TrafficRecord:
             "accept_lens": self.accept_lens,
             "finish_reason": self.finish_reason,
         }
+        if self.target_digest is not None:
+            out["target_digest"] = self.target_digest
         if include_text:
             out["prompt_text"] = self.prompt_text
             out["output_text"] = self.output_text

@@ -29,6 +29,14 @@ VERIFY_FIXED = "fixed"
 VERIFY_AUTO = "auto"
 VERIFY_MODES = (VERIFY_AUTO, VERIFY_COMPACT, VERIFY_CAP, VERIFY_FIXED)
 
+#: The verify mode the server-argument hook resolved (``auto`` decided), set in the launcher
+#: process and inherited by every SGLang subprocess.
+RESOLVED_MODE_ENV = "ADAFLASH_RESOLVED_VERIFY_MODE"
+
+
+def resolved_verify_mode() -> str | None:
+    return os.environ.get(RESOLVED_MODE_ENV) or None
+
 #: Variables ADAFLASH reads, with their meaning (rendered in docs/sglang.md).
 ENV_VARS: dict[str, str] = {
     "ADAFLASH_VERIFY_MODE": "auto | compact | cap | fixed (default auto)",
@@ -188,7 +196,7 @@ class AdaFlashOptions:
         min_len = pick(
             "min_len", _env_int(env, "ADAFLASH_LENGTH_MIN", None), ada.get("length_head_min_len"), 2
         )
-        block = raw.get("block_size")
+        block = dflash.get("block_size", raw.get("block_size"))  # both spellings, as DFLASH
         fixed_ms = _env_float(env, "ADAFLASH_COST_FIXED_MS", 8.0)
         per_token_us = _env_float(env, "ADAFLASH_COST_PER_TOKEN_US", 16.0)
         opts = cls(

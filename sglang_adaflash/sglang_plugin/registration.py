@@ -62,7 +62,19 @@ def register() -> None:
             spec_class=AdaFlashSpecAlgo,
         )(_worker_factory)
     _maybe_add_http_routes()
+    _install_backends()
     logger.info("sglang-adaflash: registered speculative algorithm %s", NAME)
+
+
+def _install_backends() -> None:
+    """The ragged-verify backend extensions, where compact mode was resolved (an SGLang
+    subprocess inherits the launcher's resolution; the worker installs them again)."""
+    try:
+        from .backends import install_ragged_backends
+
+        install_ragged_backends()
+    except Exception:
+        logger.exception("sglang-adaflash: could not install the ragged-verify backends")
 
 
 def _maybe_add_http_routes() -> None:

@@ -24,7 +24,7 @@ import torch
 
 from sglang_adaflash.drafter.length_head import AdaptiveLengthHead
 from sglang_adaflash.serving.metrics import MetricsSink, SpecStepStats
-from sglang_adaflash.serving.reload import TensorSpec, is_version
+from sglang_adaflash.serving.reload import ReloadError, TensorSpec, is_version
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,23 @@ def load_length_head(
     return head.float().to(device).eval()
 
 
+def sglang_resolved_fields(raw: Mapping, *, mask_token: str | None, mask_token_id: int | None):
+    """What SGLang's DFLASH resolved for a drafter config that leaves it out, in the form
+    :meth:`DrafterConfig.from_dict` takes: the mask token's id (SGLang resolves a string
+    ``mask_token`` with the target's tokenizer) and the target layer count, by the rule of
+    SGLang's ``DFlashDraftModel``: ``num_target_layers`` (in ``dflash_config`` or at the top
+    level), else ``max(target_layer_ids) + 1``, else the draft's own layer count."""
+    dflash = raw.get("dflash_config") or {}
+    layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
+    ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+    if layers is None:
+        layers = max(int(i) for i in ids) + 1 if ids else raw.get("num_hidden_layers")
+    out = {"num_target_layers": layers}
+    if mask_token_id is not None:
+        out.update(mask_token=mask_token, mask_token_id=int(mask_token_id))
+    return out
+
+
 def initial_version(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> str:
     """The version name of the drafter given at start-up."""
     env = os.environ if env is None else env
@@ -129,12 +146,25 @@ class SGLangDraftTarget:
         return dict(self.draft_model.named_parameters())
 
     def write(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy host tensors into the live draft through SGLang's own ``load_weights``.
+
+        The tensors stay in (pinned) host memory in the checkpoint's dtypes, as at start-up;
+        each goes to the device only while its loader runs (one tensor at a time, queued
+        without waiting: the caching allocator reuses the block in stream order), so a reload
+        never holds a second copy of the drafter on the GPU, outside SGLang's memory plan.
+        """
+        why = quantized_draft_reason(self.draft_model)
+        if why:
+            raise ReloadError(why)
         device = next(self.draft_model.parameters()).device
-        # Host -> device copies first (pinned, async), then SGLang's loaders copy in place.
-        on_device = {k: v.to(device, non_blocking=True) for k, v in state.items()}
+
+        def one_at_a_time():
+            for name, tensor in state.items():
+                yield name, tensor.to(device, non_blocking=True)
+
         ctx = self._context() if self._context is not None else _null_context()
         with torch.no_grad(), ctx:
-            self.draft_model.load_weights(iter(on_device.items()))
+            self.draft_model.load_weights(one_at_a_time())
 
     def refresh(self) -> None:
         if self._refresh is not None:
@@ -149,15 +179,58 @@ class _null_context:
         return False
 
 
-def expected_draft_spec(config, dtype: torch.dtype) -> dict[str, TensorSpec]:
-    """Checkpoint names and shapes of the draft (length head excluded) for a DrafterConfig."""
+def expected_draft_spec(config, dtypes: Mapping[str, torch.dtype]) -> dict[str, TensorSpec]:
+    """Checkpoint names, shapes and dtypes of the draft (length head excluded).
+
+    ``dtypes`` holds each tensor's dtype in the checkpoint the server started from
+    (:func:`checkpoint_dtypes`): a reload hands SGLang's loaders what they loaded at start-up,
+    tensor by tensor, whatever dtype the live parameters ended up in."""
     from sglang_adaflash.drafter.checkpoint import expected_shapes
 
     return {
-        name: (shape, dtype)
+        name: (shape, dtypes[name])
         for name, shape in expected_shapes(config).items()
         if not name.startswith(HEAD_PREFIX)
     }
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def checkpoint_dtypes(checkpoint_dir: Path) -> dict[str, torch.dtype]:
+    """Each tensor's dtype from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.dtype] = {}
+    for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                code = fh.get_slice(key).get_dtype()
+                if code not in _SAFETENSORS_DTYPES:
+                    raise HeadLoadError(f"{f}: {key} has dtype {code}, not a float dtype")
+                out[key] = _SAFETENSORS_DTYPES[code]
+    return out
+
+
+def quantized_draft_reason(draft_model: torch.nn.Module) -> str | None:
+    """Why a hot reload cannot write this draft in place, or None.
+
+    SGLang gives the draft the target's ``--quantization`` by default; an online-quantized
+    draft quantizes its weights once, after loading, into parameters of another dtype and
+    layout, so copying a new version through ``load_weights`` would store unquantized values
+    in quantized storage."""
+    for name, module in draft_model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            return (
+                f"the draft model is quantized ({name or 'model'}: {type(method).__name__}), "
+                "and a quantized draft cannot be hot-reloaded in place; serve the drafter "
+                "unquantized (--speculative-draft-model-quantization unquant) to reload it"
+            )
+    return None
 
 
 def refresh_fused_kv_helper(helper, layers) -> None:
@@ -165,16 +238,15 @@ def refresh_fused_kv_helper(helper, layers) -> None:
     (the stacks may be referenced by captured graphs, so they are overwritten, not rebuilt)."""
     if helper is None:
         return
-    kv_rows, k_norms = [], []
-    for layer in layers:
-        attn = layer.self_attn
-        qkv = attn.qkv_proj.weight
-        kv_rows.append(qkv[attn.q_size : attn.q_size + 2 * attn.kv_size])
-        k_norms.append(attn.k_norm.weight)
-    flat = torch.stack(kv_rows).reshape(helper.flat_kv_weight_t.shape[1], -1)  # [L*2kv, H]
     with torch.no_grad():
-        helper.flat_kv_weight_t.copy_(flat.transpose(0, 1))
-        helper.k_norm_weights.copy_(torch.stack(k_norms))
+        col = 0
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            rows = attn.qkv_proj.weight[attn.q_size : attn.q_size + 2 * attn.kv_size]  # [2kv, H]
+            # flat_kv_weight_t [H, L*2kv]: layer i's k and v rows are columns col..col+2kv
+            helper.flat_kv_weight_t[:, col : col + rows.shape[0]].copy_(rows.transpose(0, 1))
+            helper.k_norm_weights[i].copy_(attn.k_norm.weight)
+            col += rows.shape[0]
 
 
 class StepStatsQueue:
@@ -187,21 +259,49 @@ class StepStatsQueue:
 
     def __init__(self, sink: MetricsSink, maxlen: int = 64):
         self.sink = sink
-        self._pending: deque[tuple[int, list[int], list[str | None] | None]] = deque(maxlen=maxlen)
+        self._pending: deque[tuple[int, object, list[str | None] | None]] = deque(maxlen=maxlen)
 
-    def push(self, block_size: int, verify_lens: list[int], domains: list[str | None] | None):
-        self._pending.append((block_size, list(verify_lens), domains))
+    def push(self, block_size: int, verify_lens, domains: list[str | None] | None):
+        """``verify_lens``: a host list, or the step's [bs] lengths on the device, copied to
+        pinned host memory behind the step's kernels (read in :meth:`complete`, by when
+        SGLang has waited for the step's accept counts, so the copy has landed)."""
+        if isinstance(verify_lens, torch.Tensor):
+            verify_lens = _HostCopy(verify_lens)
+        else:
+            verify_lens = list(verify_lens)
+        self._pending.append((block_size, verify_lens, domains))
 
     def complete(self, accepted_per_req: list[int]) -> SpecStepStats | None:
         while self._pending:
             block, lens, domains = self._pending.popleft()
+            if isinstance(lens, _HostCopy):
+                lens = lens.tolist()
             if len(lens) != len(accepted_per_req):
                 continue  # a step that reported no counts; try the next one
             accepted = [max(0, min(a, n - 1)) for a, n in zip(accepted_per_req, lens)]
-            stats = SpecStepStats(block, lens, accepted, domains)
+            stats = SpecStepStats.trusted(block, lens, accepted, domains)  # bounded above
             try:
                 self.sink.observe_step(stats)
             except Exception:  # metrics must never break decoding
                 logger.exception("adaflash: metrics sink failed")
             return stats
         return None
+
+
+class _HostCopy:
+    """A device tensor's values on their way to the host (pinned, non-blocking)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._event = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t.detach().clone()
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()  # long done: SGLang already waited for this step
+        return [int(n) for n in self._host.tolist()]

@@ -6,7 +6,8 @@ on it, so ADAFLASH gets exactly DFLASH's defaults (block size from the draft con
 = 1, draft attention backend, max running requests), then decide the verify mode:
 
 - ``compact`` needs a target attention backend that can verify ragged layouts with CUDA graphs
-  (FlashAttention 3/4, TRT-LLM MHA/MLA, DSv4) and none of the features SGLang's compact graphs
+  (FlashAttention 3/4, TRT-LLM MHA/MLA, DSv4, and Triton through the plugin), or FlashInfer,
+  which the plugin verifies ragged layouts on eagerly (only when compact is asked for), and none of the features SGLang's compact graphs
   refuse (two-batch overlap, LoRA, disabled graph padding), and no DP attention (the idle-rank
   guards of the DFlash worker assume fixed-width verify);
 - ``auto`` picks compact when possible, else fixed-length DFlash, and says why at start-up;
@@ -22,6 +23,7 @@ import logging
 import os
 
 from .options import (
+    RESOLVED_MODE_ENV,
     VERIFY_AUTO,
     VERIFY_CAP,
     VERIFY_COMPACT,
@@ -29,17 +31,25 @@ from .options import (
     AdaFlashOptions,
     OptionError,
 )
-from .spec import RESOLVED_MODE_ENV
 
 logger = logging.getLogger(__name__)
 
 #: Target attention backends whose TARGET_VERIFY path honours a RaggedVerifyLayout, with CUDA
-#: graphs (``supports_ragged_verify_graph = True`` in SGLang 0.5.23).
-RAGGED_VERIFY_BACKENDS = frozenset({"fa3", "fa4", "trtllm_mha", "trtllm_mla", "dsv4"})
+#: graphs: SGLang 0.5.23's own (``supports_ragged_verify_graph = True``), and ``triton``
+#: through the plugin's extension of SGLang's Triton backend (``backends.py``).
+RAGGED_VERIFY_BACKENDS = frozenset({"fa3", "fa4", "trtllm_mha", "trtllm_mla", "dsv4", "triton"})
+#: Backends the plugin verifies ragged layouts on eagerly only (no CUDA graphs for the verify
+#: forward): ``flashinfer`` (``flashinfer_verify.py``). Compact there only when asked for.
+EAGER_RAGGED_VERIFY_BACKENDS = frozenset({"flashinfer"})
+#: Why ``auto`` does not pick compact on those.
+EAGER_ONLY = (
+    "verifies ragged layouts only eagerly (the plugin plans FlashInfer's ragged verify from "
+    "host bounds without CUDA graphs for the verify forward, which whole blocks replay), so "
+    "auto keeps fixed; set ADAFLASH_VERIFY_MODE=compact to use it, or pass "
+    "--attention-backend fa3 (Hopper, Ampere, Ada) or triton"
+)
 #: Backends known not to, and what goes wrong.
 NO_RAGGED_VERIFY = {
-    "flashinfer": "raises NotImplementedError for ragged verify on MHA models",
-    "triton": "ignores the ragged layout, which would give wrong outputs",
     "torch_native": "has no ragged verify path",
     "flex_attention": "has no ragged verify path",
     "flashmla": "has no ragged verify path",
@@ -64,21 +74,25 @@ def verify_attention_backend(cfg) -> str | None:
     return specific or getattr(cfg, "attention_backend", None)
 
 
-def compact_blockers(cfg) -> list[str]:
-    """Reasons the compact ragged verify cannot run with these arguments ([] = it can)."""
+def compact_blockers(cfg, explicit: bool = False) -> list[str]:
+    """Reasons the compact ragged verify cannot run with these arguments ([] = it can);
+    ``explicit``: the user asked for compact (then an eager-only backend is allowed)."""
     reasons = []
     backend = verify_attention_backend(cfg)
-    if backend is None:
+    if backend in EAGER_RAGGED_VERIFY_BACKENDS:
+        if not explicit:
+            reasons.append(f"attention backend {backend!r} {EAGER_ONLY}" + BLACKWELL_HINT)
+    elif backend is None:
         reasons.append(
             "the target attention backend is chosen automatically; pass --attention-backend "
-            "fa3 (or fa4, trtllm_mha) to enable compact verification"
+            "fa3 (Hopper), fa4 or trtllm_mha (Blackwell) or triton (any GPU) to enable compact "
+            "verification"
         )
     elif backend not in RAGGED_VERIFY_BACKENDS:
         why = NO_RAGGED_VERIFY.get(backend, "is not known to support ragged verify")
         reasons.append(
             f"attention backend {backend!r} {why}; use one of "
             f"{', '.join(sorted(RAGGED_VERIFY_BACKENDS))}"
-            + (BLACKWELL_HINT if backend == "flashinfer" else "")
         )
     if getattr(cfg, "enable_two_batch_overlap", False):
         reasons.append("--enable-two-batch-overlap is on (compact verify graphs refuse it)")
@@ -115,15 +129,18 @@ def resolve_verify_mode(opts: AdaFlashOptions, cfg, env=None) -> tuple[str, str]
             "length head's lengths (no target compute is saved)"
         )
     ragged_env = env.get("SGLANG_RAGGED_VERIFY_MODE", "").strip()
-    blockers = compact_blockers(cfg)
+    blockers = compact_blockers(cfg, explicit=requested == VERIFY_COMPACT)
     if ragged_env and ragged_env != "compact":
         blockers.append(
             f"SGLANG_RAGGED_VERIFY_MODE={ragged_env!r} is set; unset it or set it to 'compact'"
         )
     if not blockers:
+        backend = verify_attention_backend(cfg)
+        eager = backend in EAGER_RAGGED_VERIFY_BACKENDS
         return VERIFY_COMPACT, (
-            f"ADAFLASH: compact ragged verification on {verify_attention_backend(cfg)!r}: the "
+            f"ADAFLASH: verify mode compact on target attention backend {backend!r}: the "
             "target computes only the verify lengths the length head and batch budget choose"
+            + (" (eager verify forward: no CUDA graphs for it on this backend)" if eager else "")
         )
     if requested == VERIFY_COMPACT:
         raise OptionError(
@@ -133,7 +150,9 @@ def resolve_verify_mode(opts: AdaFlashOptions, cfg, env=None) -> tuple[str, str]
         )
     assert requested == VERIFY_AUTO
     return VERIFY_FIXED, (
-        "ADAFLASH: falling back to fixed-length DFlash verification because " + "; ".join(blockers)
+        f"ADAFLASH: verify mode fixed on target attention backend "
+        f"{verify_attention_backend(cfg) or 'auto'!r}: falling back to fixed-length DFlash "
+        "verification because " + "; ".join(blockers)
     )
 
 

@@ -12,16 +12,12 @@ DFLASH; ``docs/sglang.md`` lists them and what they mean for users.
 
 from __future__ import annotations
 
-import os
-
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from .options import VERIFY_COMPACT
+from .options import VERIFY_COMPACT, resolved_verify_mode
 
 NAME = "ADAFLASH"
-#: Set by the server-arg hook in the launcher process and inherited by every SGLang subprocess.
-RESOLVED_MODE_ENV = "ADAFLASH_RESOLVED_VERIFY_MODE"
 
 #: Predicates answered exactly as SpeculativeAlgorithm.DFLASH answers them, and why.
 DFLASH_PARITY: dict[str, str] = {
@@ -57,10 +53,6 @@ DFLASH_DELEGATED: dict[str, str] = {
     "resolve_max_speculative_num_draft_tokens": "same block-width bound as DFLASH",
     "get_num_tokens_per_req_for_target_verify": "a whole block per request, as DFLASH",
 }
-
-
-def resolved_verify_mode() -> str | None:
-    return os.environ.get(RESOLVED_MODE_ENV) or None
 
 
 def _delegate(name: str):

@@ -11,8 +11,10 @@ step only:
 2. **verification** (compact mode): ``self.target_worker`` answers with a proxy whose verify
    call rebuilds the verify batch packed to the chosen lengths (SGLang's
    ``BuildRaggedVerifyWindow`` + ``DFlashVerifyInput(ragged_verify_layout=...)``), runs the
-   target on ``sum(L)`` tokens, and scatters logits and hidden states back to the strided
-   ``[bs*B]`` layout (``ScatterCompactToStrided``) that the rest of the DFlash step expects;
+   target on ``sum(L)`` tokens, and scatters its hidden states back to the strided ``[bs*B]``
+   layout (``ScatterCompactToStrided``) that the rest of the DFlash step expects; of the
+   logits, a greedy step scatters only their argmax (DFlash's ``target_predict``), other steps
+   the logits themselves;
 3. **acceptance**: ``_accept_block`` sees candidates capped at each request's length, so no
    proposal past an unverified slot is ever accepted, and the bonus token comes from a verified
    slot. Sampled batches verify whole blocks (see ``VerifyPlanner.plan``).
@@ -47,6 +49,7 @@ from sglang_adaflash.planner.cost import StepCostModel
 from sglang_adaflash.serving import reload as rl
 from sglang_adaflash.serving.metrics import (
     AcceptanceWindow,
+    BackgroundSink,
     FanoutSink,
     LoggingSink,
     MetricsSink,
@@ -59,19 +62,28 @@ from sglang_adaflash.serving.pod_status import (
 )
 
 from . import length_budget as lb
-from .options import VERIFY_CAP, VERIFY_COMPACT, VERIFY_FIXED, AdaFlashOptions
+from .backends import install_ragged_backends
+from .options import (
+    VERIFY_CAP,
+    VERIFY_COMPACT,
+    VERIFY_FIXED,
+    AdaFlashOptions,
+    read_draft_config,
+    resolved_verify_mode,
+)
 from .runtime import (
     HeadLoadError,
     SGLangDraftTarget,
     StepStatsQueue,
+    checkpoint_dtypes,
     expected_draft_spec,
     initial_version,
     load_length_head,
     local_checkpoint_dir,
     refresh_fused_kv_helper,
+    sglang_resolved_fields,
 )
 from .server_args import RAGGED_VERIFY_BACKENDS
-from .spec import resolved_verify_mode
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +138,14 @@ class _FullWidthPrepRunner:
 
 
 class _CompactVerifyTarget:
-    """Forwards everything to the target worker, except that verify forwards run compact."""
+    """Forwards everything to the target worker, except that verify forwards run compact.
+
+    A step whose plan is whole blocks (a sampled batch, no head output) and whose batch fits a
+    captured bucket as it is needs nothing compact: DFlash's own full-width verify batch is
+    that bucket's layout already, so it runs as DFlash prepared it, with the uniform layout
+    attached (compact-mode graphs replay only batches that carry one). No second batch, no
+    window, no scatter.
+    """
 
     def __init__(self, real, worker: AdaFlashWorkerV2):
         self._real = real
@@ -134,11 +153,19 @@ class _CompactVerifyTarget:
 
     @property
     def model_runner(self):
+        step = self._worker._ada_step
+        if step.passthrough:
+            # prepare_for_verify reads this while building the verify ForwardBatch, after it
+            # made the verify input the batch's spec_info: the layout rides along from here.
+            spec = step.batch.spec_info
+            if isinstance(spec, DFlashVerifyInput) and spec.ragged_verify_layout is None:
+                spec.ragged_verify_layout = self._worker._ada_uniform_layout(len(step.batch.seq_lens))
+            return self._real.model_runner
         return _FullWidthPrepRunner(self._real.model_runner)
 
     def forward_batch_generation(self, *args, **kwargs):
         forward_batch = kwargs.get("forward_batch")
-        if not kwargs.get("is_verify") or forward_batch is None:
+        if not kwargs.get("is_verify") or forward_batch is None or self._worker._ada_step.passthrough:
             return self._real.forward_batch_generation(*args, **kwargs)
         return self._worker._compact_verify(self._real, forward_batch, kwargs)
 
@@ -147,14 +174,20 @@ class _CompactVerifyTarget:
 
 
 class _Step:
-    """What one decode step carries between the seams."""
+    """What one decode step carries between the seams (host values, decided before drafting,
+    and the plan, on the device)."""
 
-    def __init__(self, batch, greedy: bool, domains):
+    def __init__(self, batch, greedy: bool, domains, remaining=None, budget=None):
         self.batch = batch
         self.greedy = greedy
         self.domains = domains
+        self.remaining = remaining  # [bs] tokens each request may still generate, or None
+        self.budget: lb.HostBudget | None = budget  # compact mode: the host's total
         self.plan: lb.VerifyPlan | None = None
-        self.verify_lens_device: torch.Tensor | None = None
+        self.passthrough = False  # whole blocks through DFlash's own verify batch
+        # [bs*B] long: the target's greedy tokens (compact greedy steps, which hand DFlash no
+        # [bs*B, V] logits), or None
+        self.target_predict = None
 
 
 class AdaFlashWorkerV2(DFlashWorkerV2):
@@ -168,11 +201,16 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         self._ada_tp_group = get_dp_tp_group()
         self._ada_opts = AdaFlashOptions.resolve(server_args.speculative_draft_model_path)
         self._ada_mode = resolved_verify_mode() or VERIFY_FIXED
+        install_ragged_backends()  # before SGLang builds the attention backends (after us)
         self._ada_ckpt = local_checkpoint_dir(server_args.speculative_draft_model_path)
         self._ada_planner = self._build_planner()
         sink = self._build_sink()
         self._ada_sink = sink
-        self._ada_stats = StepStatsQueue(sink)
+        # per-step records leave the scheduler thread at once; a daemon thread feeds the sinks
+        self._ada_stats = StepStatsQueue(BackgroundSink(sink))
+        # the previous steps' mean rule length: the host's total for the next compact step
+        self._ada_lag = lb.LaggedMean(float(self.block_size))
+        self._ada_uniform_layouts: dict[int, object] = {}
         self._ada_reloader = self._build_reloader(sink)
         if self._ada_tp_rank == 0:
             logger.warning(
@@ -186,9 +224,19 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
     # -- construction --------------------------------------------------------------------------
 
     def _drafter_config(self):
+        """The drafter's config as DFLASH reads it: every spelling DFLASH accepts, with the
+        mask token id and target layer count SGLang resolved where the file leaves them out."""
         from sglang_adaflash.drafter.checkpoint import read_config
 
-        return read_config(self._ada_ckpt)
+        return read_config(self._ada_ckpt, resolved=self._ada_config_resolved())
+
+    def _ada_config_resolved(self) -> dict:
+        state = self.__dict__
+        return sglang_resolved_fields(
+            read_draft_config(self._ada_ckpt),
+            mask_token=state.get("_mask_token"),
+            mask_token_id=state.get("_mask_token_id"),
+        )
 
     def _build_planner(self) -> lb.VerifyPlanner:
         opts = self._ada_opts
@@ -226,6 +274,12 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def _ada_check_backend(self) -> None:
         """Compact mode was decided from the arguments; confirm it with the live backend."""
+        if self._ada_tp_rank == 0:
+            logger.warning(
+                "ADAFLASH: verify mode %s on target attention backend %s",
+                self._ada_mode,
+                type(self.target_worker.model_runner.attn_backend).__name__,
+            )
         if self._ada_mode != VERIFY_COMPACT:
             return
         if self.__dict__.get("_need_mamba_verify_commit"):
@@ -235,7 +289,10 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
                 "ADAFLASH_VERIFY_MODE=fixed"
             )
         backend = self.target_worker.model_runner.attn_backend
-        ok = bool(getattr(backend, "supports_ragged_verify_graph", False))
+        ok = bool(
+            getattr(backend, "supports_ragged_verify_graph", False)
+            or getattr(backend, "supports_ragged_verify", False)  # eager (FlashInfer)
+        )
         if not ok:
             raise RuntimeError(
                 f"ADAFLASH compact verification needs a target attention backend with ragged "
@@ -260,10 +317,9 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
 
     def _build_reloader(self, sink) -> rl.HotReloader | None:
         cfg = self._drafter_config()
-        dtype = next(self.draft_model.parameters()).dtype
         draft = SGLangDraftTarget(
             self.draft_model,
-            expected_draft_spec(cfg, dtype),
+            expected_draft_spec(cfg, checkpoint_dtypes(self._ada_ckpt)),
             context=lambda: draft_tp_context(self.draft_parallel_layout),
             refresh=self._refresh_derived_draft_state,
         )
@@ -289,6 +345,7 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             sync_every_steps=int(os.environ.get(rl.ENV_SYNC_STEPS, "16")),
             require_manifest=os.environ.get(rl.ENV_REQUIRE_MANIFEST, "1") != "0",
             target_dir=_local_config_dir(self.server_args.model_path),
+            config_resolved=self._ada_config_resolved(),
         )
         reloader.start()
         if self._ada_pod_stats is not None:
@@ -362,7 +419,11 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
                 self._ada_stats.push(block, [block] * len(batch.seq_lens), _request_domains(batch))
             return result
         sampling = batch.sampling_info
-        step = _Step(batch, sampling is None or sampling.is_all_greedy, _request_domains(batch))
+        greedy = sampling is None or sampling.is_all_greedy
+        remaining = _remaining_tokens(batch)
+        step = _Step(batch, greedy, _request_domains(batch), remaining)
+        if self._ada_mode == VERIFY_COMPACT and greedy and self._ada_planner.head is not None:
+            step.budget = self._ada_host_budget(len(batch.seq_lens), remaining)
         real_runner = self.draft_model_runner
         self.draft_model_runner = _RunnerTap(real_runner, self._on_draft_output)
         self._ada_step = step
@@ -377,12 +438,34 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             self.draft_model_runner = real_runner
             self._ada_step = None
         plan = step.plan or lb.VerifyPlan.uniform(
-            len(batch.seq_lens), int(self.block_size), "uniform"
+            len(batch.seq_lens), int(self.block_size), "uniform", self.device
         )
-        if step.verify_lens_device is not None:
-            result.cap_lens = step.verify_lens_device  # feeds sglang:spec_cap_length
-        self._ada_stats.push(plan.block_size, plan.verify_lens_cpu, step.domains)
+        result.cap_lens = plan.lengths  # feeds sglang:spec_cap_length
+        self._ada_stats.push(plan.block_size, plan.lengths, step.domains)
         return result
+
+    def _ada_host_budget(self, bs: int, remaining) -> lb.HostBudget:
+        """The compact step's total from host values only (see length_budget)."""
+        grid, max_slots = lb.capture_grid(self._target_worker.model_runner)
+        return lb.plan_host_budget(
+            block_size=int(self.block_size),
+            min_len=self._ada_planner.min_len,
+            remaining=remaining,
+            bs=bs,
+            mean_len=self._ada_lag.read(),
+            grid=grid,
+            max_slots=max_slots,
+        )
+
+    def _ada_uniform_layout(self, bs: int):
+        """Whole blocks for ``bs`` requests, built once per batch size on the device."""
+        layout = self._ada_uniform_layouts.get(bs)
+        if layout is None:
+            block = int(self.block_size)
+            lens = torch.full((bs,), block, dtype=torch.int32, device=self.device)
+            layout = lb.verify_layout(lens, total=bs * block, graph_num_tokens=bs * block)
+            self._ada_uniform_layouts[bs] = layout
+        return layout
 
     def _on_draft_output(self, draft_out) -> None:
         step = self._ada_step
@@ -391,23 +474,29 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         bs = len(step.batch.seq_lens)
         hidden = getattr(getattr(draft_out, "logits_output", None), "hidden_states", None)
         plan = self._ada_planner.plan(
-            hidden, bs, greedy=step.greedy, max_len=_remaining_tokens(step.batch)
+            hidden, bs, greedy=step.greedy, max_len=step.remaining, budget=step.budget
         )
         plan = self._agree_across_tp(plan)
+        if plan.rule_lengths is not None:
+            self._ada_lag.push(plan.rule_lengths)
         step.plan = plan
-        step.verify_lens_device = torch.tensor(
-            plan.verify_lens_cpu, dtype=torch.int32, device=self.device
-        )
+        if plan.is_uniform:
+            grid, max_slots = lb.capture_grid(self._target_worker.model_runner)
+            whole = bs * int(self.block_size)
+            step.passthrough = grid is None or (
+                whole in grid and (max_slots is None or bs <= max_slots)
+            )
 
     def _agree_across_tp(self, plan: lb.VerifyPlan) -> lb.VerifyPlan:
-        """All TP ranks must verify the same token bucket: take the element-wise minimum."""
-        if int(self._ada_tp_group.world_size) == 1:
+        """All TP ranks must verify the same lengths: rank 0's, broadcast on the device (no
+        CPU collective, no host read). The host totals already agree: every rank computes
+        them from the same lagged lengths and batch."""
+        if int(self._ada_tp_group.world_size) == 1 or plan.is_uniform:
             return plan
-        lens = torch.tensor(plan.verify_lens_cpu, dtype=torch.int64)
-        torch.distributed.all_reduce(
-            lens, op=torch.distributed.ReduceOp.MIN, group=self._ada_tp_group.cpu_group
-        )
-        return lb.VerifyPlan.of(plan.block_size, lens.tolist(), plan.ratio, plan.reason)
+        self._ada_tp_group.broadcast(plan.lengths, src=0)
+        if plan.rule_lengths is not None:
+            self._ada_tp_group.broadcast(plan.rule_lengths, src=0)
+        return plan
 
     def _accept_block(self, *, candidates, **kwargs):
         step = self.__dict__.get("_ada_step")
@@ -418,7 +507,9 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
             and not step.plan.is_uniform
             and self.__dict__.get("_ada_mode") in (VERIFY_COMPACT, VERIFY_CAP)
         ):
-            capped = lb.cap_candidates(candidates, step.verify_lens_device)
+            capped = lb.cap_candidates(candidates, step.plan.lengths)
+            if step.target_predict is not None:  # compact greedy: the packed rows' argmax
+                kwargs["target_predict"] = step.target_predict
             accept_len, commit_lens, bonus, out_tokens, new_seq_lens = super()._accept_block(
                 candidates=capped, **kwargs
             )
@@ -437,13 +528,17 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         block = int(self.block_size)
         batch = step.batch
         bs = len(batch.seq_lens)
-        plan = step.plan or lb.VerifyPlan.uniform(bs, block, "uniform")
-        if step.plan is None:
-            step.plan = plan
-            step.verify_lens_device = torch.tensor(
-                plan.verify_lens_cpu, dtype=torch.int32, device=self.device
-            )
-        layout = lb.build_layout(plan, device=self.device, model_runner=real_target.model_runner)
+        plan, budget = step.plan, step.budget
+        if budget is None or plan.is_uniform:  # whole blocks that fit no bucket as they are
+            budget = lb.plan_host_budget(
+                block_size=block, min_len=block, remaining=None, bs=bs, mean_len=block,
+                grid=lb.capture_grid(real_target.model_runner)[0],
+            )  # fmt: skip
+        total = plan.total_host if plan.total_host is not None else budget.total
+        layout = lb.verify_layout(
+            plan.lengths, total=total, graph_num_tokens=max(budget.graph_num_tokens, total),
+            caps=budget.cap,
+        )  # fmt: skip
         full_input = full_forward_batch.spec_info
         draft_tokens = full_input.draft_token.view(bs, block)  # [bs, B], slot 0 = anchor
         gamma = block - 1
@@ -479,11 +574,12 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         )
         batch.out_cache_loc = window.verify_cache_loc
         if batch.seq_lens_cpu is not None:
-            # Verify host bound = committed prefix + this request's verify length.
+            # Verify host bound = committed prefix + the most this request may verify (as
+            # DFlash's own bound is prefix + B); the exact lengths stay on the device.
             batch.seq_lens_cpu = batch.seq_lens_cpu + torch.tensor(
-                plan.verify_lens_cpu, dtype=batch.seq_lens_cpu.dtype
+                budget.cap, dtype=batch.seq_lens_cpu.dtype
             )
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            batch.seq_lens_sum = batch.seq_lens_sum + sum(budget.cap)
         try:
             compact_batch, _ = compact_input.prepare_for_verify(batch, real_target)
         finally:
@@ -497,14 +593,44 @@ class AdaFlashWorkerV2(DFlashWorkerV2):
         kwargs = dict(kwargs, forward_batch=compact_batch, skip_attn_backend_init=True)
         out = real_target.forward_batch_generation(**kwargs)
         logits_output = out.logits_output
-        logits_output.next_token_logits = lb.scatter_to_strided(
-            logits_output.next_token_logits, layout, block, out=self._ada_scatter_out("logits")
-        )
+        packed = logits_output.next_token_logits  # [T_graph, V] (a vocab shard under TP gather)
+        if self._ada_argmax_only(batch):
+            step.target_predict = self._ada_strided_argmax(packed, layout, block)
+            logits_output.next_token_logits = lb.no_logits(bs * block, self._ada_vocab(packed), packed)
+        else:
+            logits_output.next_token_logits = lb.scatter_to_strided(
+                packed, layout, block, out=self._ada_scatter_out("logits")
+            )
         if logits_output.hidden_states is not None:
             logits_output.hidden_states = lb.scatter_to_strided(
                 logits_output.hidden_states, layout, block, out=self._ada_scatter_out("hidden")
             )
         return out
+
+    def _ada_argmax_only(self, batch) -> bool:
+        """A greedy step whose acceptance needs nothing of the logits but their argmax: no
+        grammar, logprobs, penalties, logit bias or custom processor (DFlash's own test for
+        skipping its verify logits). Host values only."""
+        step = self._ada_step
+        return step.greedy and self._can_skip_verify_logits(batch, batch.sampling_info)
+
+    def _ada_vocab(self, packed) -> int:
+        lp = self.__dict__.get("_target_logits_processor")
+        return int(lp.vocab_size) if lp is not None else int(packed.shape[-1])
+
+    def _ada_strided_argmax(self, packed, layout, block: int):
+        """The target's greedy token of each packed row, scattered to the strided [bs*B]
+        layout DFlash's acceptance reads (unverified slots hold 0; acceptance never reaches
+        them, see length_budget.cap_candidates)."""
+        lp = self.__dict__.get("_target_logits_processor")
+        if lp is not None and lp.is_deferred_shard(packed):
+            top1 = lp.deferred_argmax(packed)  # gathers row maxima across the TP group
+        else:
+            top1 = torch.argmax(packed, dim=-1)
+        strided = lb.scatter_to_strided(
+            top1.view(-1, 1), layout, block, out=self._ada_scatter_out("predict")
+        )
+        return strided.view(-1)
 
     def _ada_scatter_out(self, kind: str) -> lb.ScatterBuffer:
         """One buffer per kind is enough: every reader of a step's strided logits and hidden

@@ -113,7 +113,7 @@ def test_human_output(tiny_pair, capsys):
     "drafter, message",
     [
         ("missing", "does not exist: pass a DFlash checkpoint directory"),
-        ("target", "lacks the key 'num_target_layers'"),
+        ("target", "has no num_target_layers (top level or in dflash_config)"),
         ("other", "hidden size 48 does not match the target's 32"),
     ],
 )

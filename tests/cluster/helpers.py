@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from adaflash_operator import contract as c
-from controlplane import Api, wait_for
+from controlplane import Api, ApiError, wait_for
 
 IMAGE = "registry.example/adaflash-sglang:0.1"
 
@@ -58,6 +58,15 @@ def serving_pods(api: Api, ns: str, name: str = "qwen") -> list[dict]:
     return [p for p in api.list("Pod", ns, {c.LABEL_SERVICE: name,
                                             c.LABEL_COMPONENT: "serving"})
             if not p["metadata"].get("deletionTimestamp")]
+
+
+def served(api: Api, path: str) -> bool:
+    """Whether GET `path` answers (an API group served, an object there)."""
+    try:
+        api.request("GET", path)
+        return True
+    except ApiError:
+        return False
 
 
 def node_prefix(ns: str) -> str:

@@ -441,3 +441,115 @@ def test_admin_secret_its_mount_and_an_override_in_status(chart, api: Api, names
     wait_for("the override gone", lambda: condition(api, ns, "AdminOverride").get(
         "status") == "False", timeout=30)
     assert all("override" not in p for p in status(api, ns)["pods"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Every GPU of the Job, and the first drafter (issue "Distillation: ... every GPU of the job,
+# and a first drafter for any target")
+
+
+def test_the_server_refuses_several_nodes_on_a_single_node_volume(chart, api: Api,
+                                                                   namespace: str) -> None:
+    body = afs(namespace, replicas=1, distillation={"nodes": 2},
+               storage={"accessMode": "ReadWriteOnce"})
+    with pytest.raises(ApiError) as e:
+        api.create(body)
+    assert e.value.status == 422 and "distillation.nodes > 1" in str(e.value)
+
+
+def test_a_multi_node_round_is_an_indexed_job_that_meets_at_its_first_pod(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    """spec.distillation.nodes 2, gpus 4: the real Job controller makes one pod per index, named
+    for the headless Service the operator creates (owned by the Job); each runs torchrun with
+    four processes and c10d rendezvous at the first pod; the first pod's report publishes."""
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, distillation={"nodes": 2, "gpus": 4}))
+    pods = start_serving_pods(api, ns, 2)
+    for p in pods:
+        assert reporter(api, ns, p).update({c.LOADED_VERSION: "v000001",
+                                            c.TRAFFIC_RECORDS: "6"})
+    job = wait_for("the Job", lambda: api.get("Job", ns, "qwen-distill-1-1"), timeout=60)
+    assert (job["spec"]["completionMode"], job["spec"]["completions"],
+            job["spec"]["parallelism"]) == ("Indexed", 2, 2)
+    svc = wait_for("the rendezvous Service", lambda: api.get("Service", ns, "qwen-distill-1-1"),
+                   timeout=60)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    def indexed_pods() -> list[dict] | None:
+        pods = api.list("Pod", ns, {"job-name": "qwen-distill-1-1"})
+        return pods if len(pods) == 2 else None
+
+    workers = wait_for("two indexed pods", indexed_pods, timeout=60)
+    for p in workers:
+        index = p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]
+        assert p["spec"]["hostname"] == f"qwen-distill-1-1-{index}"
+        assert p["spec"]["subdomain"] == "qwen-distill-1-1"
+        cmd = p["spec"]["containers"][0]["command"]
+        assert cmd[:3] == ["torchrun", "--nproc-per-node=4", "--nnodes=2"]
+        assert "--rdzv-endpoint=qwen-distill-1-1-0.qwen-distill-1-1." + ns + ".svc:29500" in cmd
+    first = next(p for p in workers if p["spec"]["hostname"].endswith("-0"))
+    other = next(p for p in workers if p is not first)
+    api.kubelet_terminate(ns, other, c.DISTILL_CONTAINER, 0, "")  # only rank 0 reports
+    api.kubelet_terminate(ns, first, c.DISTILL_CONTAINER, 0, report())
+    wait_for("the DrafterVersion", lambda: api.get(c.DRAFTER_KIND, ns, "qwen-v000002"),
+             timeout=60)
+
+
+def _init_waiting(api: Api, ns: str, pod: dict) -> None:
+    """Play the kubelet of a pod whose init container still waits for the drafter."""
+    api.patch("Pod", ns, pod["metadata"]["name"], {"status": {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"},
+                       {"type": "Initialized", "status": "False"},
+                       {"type": "Ready", "status": "False"}],
+        "initContainerStatuses": [{
+            "name": c.WAIT_DRAFTER_CONTAINER, "image": "i", "imageID": "i", "ready": False,
+            "restartCount": 0, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}},
+        sub="status")
+
+
+# kwok would start the pod; here it stays in its init container.
+@pytest.mark.parametrize("namespace", ["held-"], indirect=True)
+def test_without_a_drafter_or_a_bootstrap_the_condition_says_what_to_do(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, replicas=1))
+    pod = wait_for("the serving pod", lambda: (serving_pods(api, ns) or [None])[0], timeout=60)
+    assert pod["spec"]["initContainers"][0]["name"] == c.WAIT_DRAFTER_CONTAINER
+    _init_waiting(api, ns, pod)
+    cond = wait_for("Ready=False DrafterMissing", lambda: (
+        x := condition(api, ns, "Ready")).get("reason") == "DrafterMissing" and x, timeout=60)
+    assert "spec.drafter.bootstrap" in cond["message"] and "adaflash drafters import" in \
+        cond["message"]
+    assert status(api, ns)["pods"][0]["waitingForDrafter"] is True
+
+
+# kwok would start the pod; here it stays in its init container.
+@pytest.mark.parametrize("namespace", ["held-"], indirect=True)
+def test_the_bootstrap_job_makes_the_first_drafter_before_the_pods_start(
+        chart, api: Api, namespace: str, operator_process) -> None:
+    ns = namespace
+    operator_process()
+    api.create(afs(ns, replicas=1, drafter={"bootstrap": {"source": "Import",
+                                                          "path": "seed/dflash"}}))
+    job = wait_for("the bootstrap Job", lambda: api.get("Job", ns, "qwen-bootstrap-1"),
+                   timeout=60)
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == [
+        "--import", f"{c.HOME}/seed/dflash"]
+    wait_for("status.bootstrap Running", lambda: status(api, ns)["bootstrap"]["phase"] ==
+             "Running", timeout=60)  # patched at the end of the pass that created the Job
+    pod = wait_for("the serving pod", lambda: (serving_pods(api, ns) or [None])[0], timeout=60)
+    _init_waiting(api, ns, pod)
+    wait_for("Ready=False Bootstrapping", lambda: condition(api, ns, "Ready").get(
+        "reason") == "Bootstrapping", timeout=60)
+    worker = wait_for("its pod", lambda: api.list("Pod", ns, {"job-name": "qwen-bootstrap-1"})[0],
+                      timeout=60)
+    api.kubelet_terminate(ns, worker, c.BOOTSTRAP_CONTAINER, 0, json.dumps(
+        {"outcome": "Imported", "version": "v000001", "message": "imported v000001"}))
+    b = wait_for("bootstrap Succeeded", lambda: (
+        x := status(api, ns).get("bootstrap") or {}).get("phase") == "Succeeded" and x,
+        timeout=60)
+    assert (b["outcome"], b["version"]) == ("Imported", "v000001")
+    assert [j["metadata"]["name"] for j in api.list("Job", ns)] == ["qwen-bootstrap-1"]

@@ -44,14 +44,17 @@ def _publish(api: Api, ns: str, pods: list[dict], rep: str, job: str = "qwen-dis
 
 
 def test_an_evicted_canary_is_replaced_under_the_pdb(chart, api: Api, namespace: str,
-                                                     operator_process) -> None:
-    """A drain evicts the canary pod (the eviction API, which honours the PodDisruptionBudget):
-    no verdict on the version; another pod becomes the canary and the version is promoted. A
-    second eviction while the replacement is not ready yet is refused by the budget."""
+                                                     gpu_pool, operator_process) -> None:
+    """A drain of the canary pod's node (cordon, then the eviction API, which honours the
+    PodDisruptionBudget): no verdict on the version; another pod becomes the canary and the
+    version is promoted. A second eviction while the replacement waits (the GPU pool is full,
+    the drained node cordoned) is refused by the budget."""
     ns = namespace
+    where = gpu_pool(nodes=3, gpus=1)
     operator_process()
     # One canary of three pods: ceil(0.3 * 3) = 1.
-    api.create(afs(ns, replicas=3, rollout={"canaryFraction": 0.3, "bakeSeconds": 2}))
+    api.create(afs(ns, replicas=3, serving={**where, "gpus": 1},
+                   rollout={"canaryFraction": 0.3, "bakeSeconds": 2}))
     pods = start_serving_pods(api, ns, 3)
     pdb = wait_for("the PodDisruptionBudget's status", lambda: (
         x := api.get("PodDisruptionBudget", ns, "qwen") or {}).get("status", {}).get(
@@ -61,11 +64,16 @@ def test_an_evicted_canary_is_replaced_under_the_pdb(chart, api: Api, namespace:
     st = wait_for("the canary", lambda: (x := status(api, ns).get("rollout") or {}).get(
         "phase") == "Canary" and x, timeout=60)
     (first,) = st["canaryPods"]
+    drained = api.get("Pod", ns, first)["spec"]["nodeName"]
+    api.request("PATCH", f"/api/v1/nodes/{drained}", {"spec": {"unschedulable": True}},
+                "application/merge-patch+json")
     _evict(api, ns, first)
     other = next(p["metadata"]["name"] for p in pods if p["metadata"]["name"] != first)
     with pytest.raises(ApiError) as refused:  # one pod down already: the budget says no
         _evict(api, ns, other)
     assert refused.value.status == 429 and "disruption budget" in refused.value.message
+    api.request("PATCH", f"/api/v1/nodes/{drained}", {"spec": {"unschedulable": False}},
+                "application/merge-patch+json")
     st = wait_for("the canary on another pod", lambda: (x := status(api, ns).get(
         "rollout") or {}).get("reason") == "CanaryPodReplaced" and x, timeout=60)
     assert st["phase"] == "Canary" and st["canaryPods"] != [first]

@@ -156,3 +156,23 @@ def test_speed_is_a_ratio_to_plain_decoding_of_the_same_prompts_in_the_run():
     assert rows["v2"]["vs_plain"]["math"] == 3.0 and rows["v2"]["tau"]["math"] == 6.0
     text = table(list(rows.values()), ["math"])
     assert "vs ar math" in text and "1.50x" in text and "3.00x" in text
+
+
+def test_every_domain_gets_its_own_plain_baseline():
+    """Prompts alternate code and prose in the first phase: counting answers over the phase would
+    pair only code with plain decoding (every other prompt); the count is per domain."""
+    from sglang_adaflash.demo.workload import Prompt
+
+    class Fake(demo_client.Replayer):
+        def __init__(self, server, **kw):  # no HTTP client: ask() is replaced
+            self.concurrency, self.server, self.baseline = 1, server, kw.get("baseline")
+            self.baseline_every = kw.get("baseline_every", 2)
+
+        def ask(self, prompt, phase, max_tokens=None, token_ids=False):
+            return Answer(prompt.id, phase, prompt.domain, 0.0, 1.0, True, server=self.server), None
+
+    spec = Fake("spec", baseline=Fake("plain"), baseline_every=2)
+    prompts = [Prompt(f"p{i}", "code" if i % 2 == 0 else "prose", "x") for i in range(8)]
+    answers = spec.run(iter(prompts), "code+prose")
+    plain = [a for a in answers if a.server == "plain"]
+    assert sorted(a.domain for a in plain) == ["code", "code", "prose", "prose"]

@@ -274,8 +274,8 @@ class _WakingProposer(OracleProposer):
         super().__init__(*a, error_rate=0.0, **k)
         self.prompt_len, self.wake = prompt_len, wake
 
-    def propose(self, last, ctx_lens, histories, slots=None):
-        states = super().propose(last, ctx_lens, histories, slots)
+    def propose(self, last, ctx_lens, histories, slots=None, read=None):
+        states = super().propose(last, ctx_lens, histories, slots, read=read)
         for i, hist in enumerate(histories):
             if len(hist) - self.prompt_len < self.wake:
                 self._props[i] = (self._props[i] + 1) % self.target.vocab_size
@@ -315,7 +315,9 @@ def test_drafter_context_catches_up_after_draft_off(target, drafter, broken, mon
 
         monkeypatch.setattr(SpecEngine, "_catch_up", forget)
     prompts = _prompts(2, seed=19)
-    eng = _engine(target, drafter, probe_every=3, probe_share=1.0)
+    # read through the head's reading of every drafted block (the catch-up is the same code
+    # whichever source plans the lengths)
+    eng = _engine(target, drafter, probe_every=3, probe_share=1.0, lengths_from="head")
     outs = eng.run([Request(p, SamplingParams(max_new_tokens=30)) for p in prompts])
     checked, differ = 0, 0
     for p, o in zip(prompts, outs):

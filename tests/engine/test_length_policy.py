@@ -53,9 +53,10 @@ def test_length_head_shapes_and_label():
     assert length_label(torch.tensor([0, 3, 15, 20]), 16).tolist() == [1 / 16, 4 / 16, 1.0, 1.0]
 
 
-def test_engine_lengths_stay_in_bounds(target, drafter):
+@pytest.mark.parametrize("lengths_from", ["history", "head"])
+def test_engine_lengths_stay_in_bounds(target, drafter, lengths_from):
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=4, max_seq_len=64,
-                     cost_model=StepCostModel(0.0, 0.001))
+                     cost_model=StepCostModel(0.0, 0.001), lengths_from=lengths_from)
     outs = eng.run([Request([1, 2, 3 + i], SamplingParams(max_new_tokens=20)) for i in range(6)])
     min_len = drafter.config.length_head_min_len
     for o in outs:
@@ -66,7 +67,8 @@ def test_engine_lengths_stay_in_bounds(target, drafter):
             assert d or v == 1
             remaining -= a
         assert len(o.stats.predicted_ratios) == o.stats.steps == len(o.stats.drafted)
-        assert len(o.stats.head_ratios) == sum(o.stats.drafted)
+        # the head is read on every drafted step when it plans the lengths, never otherwise
+        assert len(o.stats.head_ratios) == (sum(o.stats.drafted) if lengths_from == "head" else 0)
 
 
 def test_online_cost_model_separates_batch_and_token_costs():

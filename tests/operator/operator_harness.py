@@ -260,7 +260,7 @@ def annotate(cl: Cluster, ns: str, pod: str, **ann: str | None) -> None:
 
 
 def finish_job(cl: Cluster, ns: str, job: str, *, ok: bool, message: str = "",
-               exit_code: int | None = None) -> None:
+               exit_code: int | None = None, container: str = c.DISTILL_CONTAINER) -> None:
     """Play the Job controller and the kubelet: a pod whose container terminated with
     `message` (the termination log), then the Job's terminal condition."""
     jb = cl.get("Job", ns, job)
@@ -272,7 +272,7 @@ def finish_job(cl: Cluster, ns: str, job: str, *, ok: bool, message: str = "",
                      "labels": {**tmpl["metadata"]["labels"], "job-name": job}},
         "spec": tmpl["spec"],
         "status": {"phase": "Succeeded" if ok else "Failed", "containerStatuses": [{
-            "name": c.DISTILL_CONTAINER, "ready": False, "restartCount": 0,
+            "name": container, "ready": False, "restartCount": 0,
             "state": {"terminated": {"exitCode": 0 if ok else (exit_code or 1),
                                      "reason": "Completed" if ok else "Error",
                                      "message": message}}}]},

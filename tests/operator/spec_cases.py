@@ -34,6 +34,11 @@ REFUSED = [
     ({"storage": {"size": "0Gi"}}, "storage.size"),
     ({"retention": {"schedule": "daily"}}, "retention.schedule"),
     ({"storage": {"existingClaim": "Not_A_Name"}}, "existingClaim"),
+    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"}, "distillation": {"nodes": 2}},
+     "distillation.nodes > 1"),
+    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOncePod"}, **RWOP_JOBS_OFF,
+      "drafter": {"bootstrap": {"source": "Train"}}}, "ReadWriteOncePod lets one pod"),
+    ({"drafter": {"bootstrap": {"source": "Import"}}}, "Import needs the checkpoint"),
 ]
 
 # Close to a refused one, and fine.
@@ -48,6 +53,10 @@ ACCEPTED = [
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"retention": {"schedule": "@daily"}},
     {"storage": {"size": "0.5Ti"}},
+    {"distillation": {"nodes": 2}},
+    {"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"},
+     "drafter": {"bootstrap": {"source": "Train"}}},
+    {"drafter": {"bootstrap": {"source": "Import", "path": "imports/dflash"}}},
 ]
 
 

@@ -68,11 +68,30 @@ OWNER = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
          "metadata": {"name": "qwen", "namespace": "ml", "uid": "u-1"}}
 
 
-def _run_job(tmp_path: Path, target: Path, home: Path, min_new_records: int):
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _container_command(ctr: dict, place) -> list[str]:
+    """The container's command and arguments as a process here runs them: this interpreter
+    for `python`, torch's launcher module for `torchrun` (on a free port)."""
+    head = ctr["command"]
+    if head[0] == "python":
+        return [sys.executable, *head[1:], *map(place, ctr["args"])]
+    assert head[0] == "torchrun", head
+    return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(_free_port()),
+            *head[1:], *map(place, ctr["args"])]
+
+
+def _run_job(tmp_path: Path, target: Path, home: Path, min_new_records: int, gpus: int = 1):
     """Run the container of the Job the operator builds, as the kubelet would."""
     # Small settings go where a user puts them: spec.distillation.extraArgs.
     spec = parse({"model": {"target": str(target)}, "serving": {"image": "img"},
-                  "distillation": {"minNewRecords": min_new_records, "extraArgs": [
+                  "distillation": {"minNewRecords": min_new_records, "gpus": gpus, "extraArgs": [
                       "--epochs", "1", "--batch-size", "4", "--threads", "1"]}})
     job = manifests.job(OWNER, spec, 1, 1, "v000001")
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
@@ -81,8 +100,7 @@ def _run_job(tmp_path: Path, target: Path, home: Path, min_new_records: int):
     def place(arg: str) -> str:  # the two paths the kubelet provides
         return arg.replace(c.TERMINATION_LOG, str(report)).replace(c.HOME, str(home))
 
-    assert ctr["command"][0] == "python"
-    cmd = [sys.executable, *ctr["command"][1:], *map(place, ctr["args"])]
+    cmd = _container_command(ctr, place)
     env = {**os.environ, **{e["name"]: place(e["value"]) for e in ctr["env"] if "value" in e},
            "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path)
@@ -128,3 +146,55 @@ def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
                                              "be Rejected (NoEvaluation)"
     # The last stdout line is the report too (what the operator reads if the message is cut).
     assert distill.parse_report(distill.report_from_log(r.stdout))["version"] == "v000002"
+
+
+@pytest.mark.slow  # two torchrun workers (gloo on this CPU) and one plain run: about a minute
+def test_the_torchrun_job_of_two_gpus_publishes_what_one_process_publishes(
+        tmp_path: Path) -> None:
+    """spec.distillation.gpus: 2 makes `torchrun --nproc-per-node=2 -m training_job.distill`;
+    run as the container runs it, its two ranks publish the weights one process publishes."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    target, home = _seed(tmp_path / "seed")
+    weights, reports = {}, {}
+    for gpus in (1, 2):
+        vol = tmp_path / f"home{gpus}"
+        shutil.copytree(home, vol)
+        job, message, _ = _run_job(tmp_path, target, vol, min_new_records=16, gpus=gpus)
+        assert job["spec"]["template"]["spec"]["containers"][0]["command"][0] == \
+            ("torchrun" if gpus == 2 else "python")
+        reports[gpus] = distill.parse_report(message)
+        weights[gpus] = load_file(str(vol / "drafters" / "v000002" / "model.safetensors"))
+    assert reports[2]["version"] == "v000002" and reports[2]["training"]["steps"] == \
+        reports[1]["training"]["steps"]
+    for k, v in weights[1].items():
+        assert (v.double() - weights[2][k].double()).abs().max() < 1e-5, k
+
+
+def test_the_operators_bootstrap_job_imports_the_first_version(tmp_path: Path) -> None:
+    """spec.drafter.bootstrap {source: Import}: the Job's command, run as the container runs
+    it, publishes v000001 and reports what the operator's parser reads."""
+    import shutil
+
+    from sglang_adaflash.testing.tiny_pair import build_tiny_pair
+
+    pair = build_tiny_pair(tmp_path / "pair", seed=0, length_head=False)
+    home = tmp_path / "home"
+    shutil.copytree(pair.drafter_dir, home / "seed" / "dflash")  # put on the claim by a user
+    spec = parse({"model": {"target": str(pair.target_dir)}, "serving": {"image": "img"},
+                  "drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}})
+    ctr = manifests.bootstrap_job(OWNER, spec, 1)["spec"]["template"]["spec"]["containers"][0]
+    report = tmp_path / "termination-log"
+
+    def place(arg: str) -> str:
+        return arg.replace(c.TERMINATION_LOG, str(report)).replace(c.HOME, str(home))
+
+    r = subprocess.run(_container_command(ctr, place), capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path,
+                       env={**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    parsed = distill.parse_bootstrap_report(report.read_text())
+    assert parsed["outcome"] == "Imported" and parsed["version"] == "v000001"
+    assert (home / "drafters" / "v000001" / "manifest.json").exists()

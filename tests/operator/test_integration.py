@@ -553,3 +553,76 @@ def test_too_little_traffic_is_a_completed_round_not_a_failure(
         for p in pods:  # 100 more records: the next round
             annotate(cluster, ns, p, records="110")
         wait_for("the next round", lambda: cluster.get("Job", ns, "qwen-distill-2-1"))
+
+
+def _waiting_pods(cluster: Cluster, ns: str) -> list[str]:
+    """Play the kubelet of serving pods whose init container waits for the drafter."""
+    dep = cluster.get("Deployment", ns, "qwen")
+    names = []
+    for i in range(dep["spec"]["replicas"]):
+        name = f"qwen-5d8f7-{i}"
+        cluster.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "annotations": {
+                c.TRAFFIC_RECORDS: "0"}, "labels": dep["spec"]["template"]["metadata"]["labels"]},
+            "spec": dep["spec"]["template"]["spec"],
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}],
+                       "initContainerStatuses": [{
+                           "name": c.WAIT_DRAFTER_CONTAINER, "ready": False, "restartCount": 0,
+                           "state": {"running": {"startedAt": "2026-11-30T09:00:00Z"}}}]}})
+        names.append(name)
+    return names
+
+
+def test_without_a_drafter_or_a_bootstrap_pods_wait_and_the_condition_says_why(
+        cluster: Cluster, namespace: str, kubeconfig) -> None:
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns))
+        wait_for("the Deployment", lambda: cluster.get("Deployment", ns, "qwen"))
+        _waiting_pods(cluster, ns)
+        cond = wait_for("Ready=False DrafterMissing", lambda: (
+            x := condition(cluster, ns, "Ready")).get("reason") == "DrafterMissing" and x)
+        assert "drafters/v000001/manifest.json" in cond["message"]
+        assert "spec.drafter.bootstrap" in cond["message"]
+        assert all(p["waitingForDrafter"] for p in status(cluster, ns)["pods"])
+        assert "DrafterMissing" in {e.get("reason") for e in events(cluster, ns)}
+
+
+def test_a_bootstrap_job_makes_the_first_drafter_before_any_round(
+        cluster: Cluster, namespace: str, kubeconfig) -> None:
+    """spec.drafter.bootstrap: the Job starts at once, a failed one is retried after the
+    backoff, pods wait (Ready=False Bootstrapping), no round starts before it succeeded."""
+    ns = namespace
+    with operator(ns):
+        cluster.create(afs(ns, drafter={"bootstrap": {"source": "Import",
+                                                      "path": "seed/dflash"}},
+                           distillation={"minNewRecords": 1, "backoffSeconds": 1}))
+        wait_for("the bootstrap Job", lambda: cluster.get("Job", ns, "qwen-bootstrap-1"))
+        job = cluster.get("Job", ns, "qwen-bootstrap-1")
+        assert job["spec"]["template"]["spec"]["containers"][0]["command"] == [
+            "python", "-m", "training_job.bootstrap"]
+        pods = _waiting_pods(cluster, ns)
+        for p in pods:
+            annotate(cluster, ns, p, records="50")
+        wait_for("Ready=False Bootstrapping", lambda: condition(cluster, ns, "Ready").get(
+            "reason") == "Bootstrapping")
+        finish_job(cluster, ns, "qwen-bootstrap-1", ok=False, message="bootstrap: no such "
+                   "directory", container=c.BOOTSTRAP_CONTAINER)
+        b = wait_for("the failure", lambda: (x := status(cluster, ns).get("bootstrap") or {})
+                     .get("phase") == "Failed" and x)
+        assert "no such directory" in b["message"]
+        assert condition(cluster, ns, "BootstrapFailed")["status"] == "True"
+        wait_for("the retry", lambda: cluster.get("Job", ns, "qwen-bootstrap-2"))
+        assert not cluster.list("Job", ns, {c.LABEL_COMPONENT: "distill"})
+        assert (status(cluster, ns).get("distillation") or {}).get("idleReason") == \
+            "Bootstrapping"
+        finish_job(cluster, ns, "qwen-bootstrap-2", ok=True, container=c.BOOTSTRAP_CONTAINER,
+                   message=json.dumps({"outcome": "Imported", "version": "v000001",
+                                       "message": "imported v000001"}))
+        b = wait_for("bootstrap Succeeded", lambda: (
+            x := status(cluster, ns).get("bootstrap") or {}).get("phase") == "Succeeded" and x)
+        assert (b["outcome"], b["version"], b["attempts"]) == ("Imported", "v000001", 2)
+        assert {"BootstrapStarted", "BootstrapFailed", "BootstrapSucceeded"} <= {
+            e.get("reason") for e in events(cluster, ns)}
+        wait_for("the first round", lambda: cluster.get("Job", ns, "qwen-distill-1-1"))

@@ -34,6 +34,26 @@ def test_gate_compares_with_the_parent_on_the_same_records() -> None:
     assert not ok and reason == "GateFailed" and "5.400" in msg
 
 
+def test_gate_honours_the_jobs_decision_and_records_it() -> None:
+    """The mean beats the parent, but the Job's gate (noise, per-domain floor) failed: the
+    version is Rejected and its status carries the Job's numbers."""
+    job = {"passed": False, "reason": "DomainDrop", "gain": 0.11, "gainLow": 0.02,
+           "message": "a domain dropped beyond its noise (95%): code -0.070 (noise 0.030)"}
+    cand = Candidate("v000002", "v000001", {"chat": 5.0}, {"chat": 4.5}, gate=job)
+    ok, reason, msg, fields = gate(cand, "v000001", None, 0.0)
+    assert not ok and reason == "GateFailed" and "DomainDrop" in msg and "code -0.070" in msg
+    assert fields == {"gate": job}
+    d = run(cands=[cand])
+    assert d.state["phase"] == "Rejected" and d.phases["v000002"].fields == {"gate": job}
+    passed = {**job, "passed": True, "reason": "Passed"}
+    ok, _, _, fields = gate(Candidate("v000002", "v000001", {"chat": 5.0}, {"chat": 4.5},
+                                      gate=passed), "v000001", None, 0.0)
+    assert ok and fields["gate"] == passed and fields["evalTau"] == 5.0
+    # a decision on another parent's records says nothing about the serving version
+    ok, _, _, fields = gate(cand, "v000009", {"chat": 4.0}, 0.0)
+    assert ok and "gate" not in fields
+
+
 def test_gate_uses_the_serving_versions_eval_when_the_parent_is_not_serving() -> None:
     cand = Candidate("v000003", "v000001", {"chat": 5.0, "code": 6.0}, {"chat": 4.0})
     ok, _, msg, fields = gate(cand, "v000002", {"chat": 5.5}, 0.0)  # only shared domains count

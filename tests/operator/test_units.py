@@ -168,8 +168,94 @@ def test_child_names_stay_within_kubernetes_limits() -> None:
     assert len(manifests.job(owner, s, 12345, 99, "v000001")["metadata"]["name"]) <= 63
     assert len(manifests.retention_cronjob(owner, s)["metadata"]["name"]) <= 52
     long_job = manifests.job_name("b" * 60, 3, 1)
-    assert len(long_job) == 63 and long_job.endswith("-distill-3-1")
+    # 54: a JobSet of that name gives its pods the hostname `<name>-node-0-<index>`
+    assert len(long_job) == 54 and long_job.endswith("-distill-3-1")
     assert long_job != manifests.job_name("b" * 59 + "c", 3, 1)  # the hash keeps them apart
+    assert len(manifests.bootstrap_job_name("b" * 60, 12)) == 54
+
+
+def _container(job: dict) -> dict:
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_a_job_with_several_gpus_runs_torchrun_with_a_process_per_gpu() -> None:
+    """The Job trains on every GPU it is given: torchrun, one process per GPU of the pod."""
+    one = _container(manifests.job(OWNER, parse(MIN), 1, 1, "v000001"))
+    assert one["command"] == ["python", "-m", "training_job.distill"]
+    s = parse({**MIN, "distillation": {"gpus": 8}})
+    job = manifests.job(OWNER, s, 1, 1, "v000001")
+    ctr = _container(job)
+    assert ctr["command"] == ["torchrun", "--nproc-per-node=8", "-m", "training_job.distill"]
+    assert ctr["args"] == manifests.distill_args(s, "v000001")
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "completionMode" not in job["spec"] and "subdomain" not in \
+        job["spec"]["template"]["spec"]
+
+
+def test_several_nodes_make_an_indexed_job_that_meets_at_its_first_pod() -> None:
+    s = parse({**MIN, "distillation": {"gpus": 4, "nodes": 3}})
+    job = manifests.job(OWNER, s, 2, 1, "v000001")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    assert spec["backoffLimit"] == 0  # one lost node fails the round; the operator retries
+    assert pod["subdomain"] == "qwen-distill-2-1"
+    assert _container(job)["command"] == [
+        "torchrun", "--nproc-per-node=4", "--nnodes=3", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=qwen-distill-2-1-0.qwen-distill-2-1.ml.svc:29500",
+        "--rdzv-id=qwen-distill-2-1", "-m", "training_job.distill"]
+    created = {**job, "metadata": {**job["metadata"], "uid": "job-uid"}}
+    svc = manifests.rendezvous_service(created)
+    assert svc["metadata"]["name"] == "qwen-distill-2-1"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert svc["spec"]["selector"] == {c.LABEL_DISTILL_JOB: "qwen-distill-2-1"}
+    assert job["spec"]["template"]["metadata"]["labels"][c.LABEL_DISTILL_JOB] == \
+        "qwen-distill-2-1"
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "job-uid"  # goes with the Job
+    # where the cluster serves JobSet: one JobSet, whose own headless Service names the pods
+    js = manifests.job(OWNER, s, 2, 1, "v000001", jobset=True)
+    assert js["kind"] == "JobSet" and js["apiVersion"] == manifests.JOBSET_API
+    assert js["spec"]["network"]["subdomain"] == "qwen-distill-2-1"
+    rjob = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert rjob["completions"] == 3 and "subdomain" not in rjob["template"]["spec"]
+    assert "--rdzv-endpoint=qwen-distill-2-1-node-0-0.qwen-distill-2-1.ml.svc:29500" in \
+        rjob["template"]["spec"]["containers"][0]["command"]
+
+
+def test_several_nodes_need_a_volume_every_node_can_mount() -> None:
+    with pytest.raises(InvalidSpec, match="distillation.nodes > 1"):
+        parse({**MIN, "distillation": {"nodes": 2}, "storage": {"accessMode": "ReadWriteOnce"}})
+    parse({**MIN, "distillation": {"nodes": 2}, "storage": {"existingClaim": "nfs"}})
+
+
+def test_the_bootstrap_job_imports_or_trains_the_first_version() -> None:
+    imp = parse({**MIN, "drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}})
+    job = manifests.bootstrap_job(OWNER, imp, 1)
+    ctr = _container(job)
+    assert job["metadata"]["name"] == "qwen-bootstrap-1"
+    assert ctr["name"] == c.BOOTSTRAP_CONTAINER
+    assert ctr["command"] == ["python", "-m", "training_job.bootstrap"]
+    assert ctr["args"] == ["--home", c.HOME, "--target", "Qwen/Qwen3-8B", "--version",
+                           "v000001", "--report", c.TERMINATION_LOG, "--import",
+                           f"{c.HOME}/seed/dflash"]
+    assert "nvidia.com/gpu" not in ctr["resources"].get("limits", {})
+    train = parse({**MIN, "distillation": {"gpus": 8}, "drafter": {"bootstrap": {
+        "source": "Train", "path": "seed/prompts.jsonl", "extraArgs": ["--max-steps", "9"]}}})
+    ctr = _container(manifests.bootstrap_job(OWNER, train, 2))
+    assert ctr["command"] == ["torchrun", "--nproc-per-node=8", "-m", "training_job.bootstrap"]
+    assert ctr["args"][-5:] == ["--prompts", f"{c.HOME}/seed/prompts.jsonl", "--",
+                                "--max-steps", "9"]
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 8
+    with pytest.raises(InvalidSpec, match="bootstrap.path"):
+        parse({**MIN, "drafter": {"bootstrap": {"source": "Import"}}})
+
+
+def test_serving_pods_wait_for_their_drafter_instead_of_crash_looping() -> None:
+    pod = manifests.deployment(OWNER, parse(MIN))["spec"]["template"]["spec"]
+    (wait,) = pod["initContainers"]
+    assert wait["name"] == c.WAIT_DRAFTER_CONTAINER
+    assert "until [ -f" in wait["command"][-1] and "manifest.json" in wait["command"][-1]
+    assert wait["env"][1]["valueFrom"]["configMapKeyRef"]["key"] == c.FLEET_VERSION_KEY
+    assert wait["volumeMounts"] == [{"name": "home", "mountPath": c.HOME, "readOnly": True}]
 
 
 @pytest.mark.parametrize("mode", ["ReadWriteOnce", "ReadWriteOncePod"])
@@ -221,7 +307,7 @@ def test_job_reports_through_its_termination_message() -> None:
     job = manifests.job(OWNER, s, 3, 2, "v000004")
     assert job["metadata"]["name"] == "qwen-distill-3-2" and job["spec"]["backoffLimit"] == 0
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
-    assert ctr["command"] == ["python", "-m", "training_job.distill"]
+    assert ctr["command"] == ["torchrun", "--nproc-per-node=4", "-m", "training_job.distill"]
     assert ctr["args"][ctr["args"].index("--parent") + 1] == "v000004"
     assert ctr["args"][-2:] == ["--epochs", "2"]
     assert ctr["terminationMessagePath"] == c.TERMINATION_LOG
@@ -277,6 +363,7 @@ def test_job_outcome(status: dict, want: str) -> None:
     ('{"version": "2"}', "look like v000002"),
     ('{"version": "v000002", "parent": "x"}', "parent"),
     ('{"version": "v000002", "eval": {"tau": {"chat": -1}}}', "eval.tau"),
+    ('{"version": "v000002", "eval": {"gate": {"passed": "yes"}}}', "eval.gate"),
     ('{"outcome": "Done", "version": "v000002"}', "outcome must be"),
     ('{"outcome": "NotEnoughRecords"}', "usable and required"),
     ('{"outcome": "NotEnoughRecords", "records": {"usable": 3, "required": "9"}}', "required"),

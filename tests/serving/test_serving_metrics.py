@@ -208,3 +208,70 @@ def test_fanout_isolates_a_failing_sink():
 
     FanoutSink([Boom(), Rec()]).observe_step(_stats())
     assert len(seen) == 1
+
+
+def test_bulk_export_equals_one_observation_per_request():
+    """PrometheusSink exports a step with one update per series and bucket; the exposition must
+    be what one observe/inc per request gives (the reference below). Control: a step with one
+    request changed gives a different exposition."""
+    import random
+
+    import prometheus_client
+
+    from sglang_adaflash.serving.metrics import PrometheusSink, SpecStepStats
+
+    rng = random.Random(3)
+    lens = [rng.randint(1, 8) for _ in range(40)]
+    acc = [rng.randint(0, n - 1) for n in lens]
+    domains = [rng.choice(["a", "b", None]) for _ in lens]
+
+    def reference(lens, acc, domains):
+        reg = prometheus_client.CollectorRegistry()
+        sink = PrometheusSink(reg, max_block_size=8)
+        for n, a, d in zip(lens, acc, domains):
+            d = d or ""
+            sink.drafts.labels(d).inc()
+            sink.draft_tokens.labels(d).inc(7)
+            sink.verified_tokens.labels(d).inc(n - 1)
+            sink.accepted_tokens.labels(d).inc(a)
+            sink.candidate_length.labels(d).observe(n)
+            for pos in range(1, a + 1):
+                sink.accepted_by_position.labels(str(pos), d).inc()
+        return prometheus_client.generate_latest(reg)
+
+    def bulk(lens, acc, domains):
+        reg = prometheus_client.CollectorRegistry()
+        PrometheusSink(reg, max_block_size=8).observe_step(SpecStepStats(8, lens, acc, domains))
+        return prometheus_client.generate_latest(reg)
+
+    def series(text):  # drop the _created timestamps, which differ run to run
+        return sorted(ln for ln in text.decode().splitlines() if "_created" not in ln)
+
+    assert series(bulk(lens, acc, domains)) == series(reference(lens, acc, domains))
+    changed = [lens[0] % 8 + 1] + lens[1:]
+    assert series(bulk(changed, [0] + acc[1:], domains)) != series(reference(lens, acc, domains))
+
+
+def test_background_sink_takes_steps_now_and_exports_them_merged():
+    from sglang_adaflash.serving.metrics import BackgroundSink, SpecStepStats
+
+    class Rec:
+        def __init__(self):
+            self.steps, self.versions = [], []
+
+        def observe_step(self, s):
+            self.steps.append(s)
+
+        def set_drafter_version(self, v):
+            self.versions.append(v)
+
+    rec = Rec()
+    sink = BackgroundSink(rec, interval_s=3600)
+    sink.observe_step(SpecStepStats(4, [4, 2], [3, 1], ["x", None]))
+    sink.observe_step(SpecStepStats(4, [1], [0]))
+    sink.set_drafter_version("v000002")  # rare events go through at once
+    assert rec.versions == ["v000002"]
+    sink.stop()  # flushes what is queued
+    (merged,) = rec.steps
+    assert merged.candidate_lengths == [4, 2, 1] and merged.accept_lengths == [3, 1, 0]
+    assert merged.domains == ["x", None, None]

@@ -37,10 +37,12 @@ import os
 import sys
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 import torch
+
+from tests.sglang_plugin.triton_interpreter import fix_bf16_dot
 
 HERE = Path(__file__).resolve()
 _DEVICE_OVERRIDE = None
@@ -161,6 +163,9 @@ def install_seams(dispatch: str):
         return None
 
     torch.Tensor.record_stream = record_stream_cpu
+    # Interpreted tl.dot multiplies bfloat16 bit patterns (triton_interpreter.py): without
+    # this, SGLang's Triton attention on the bfloat16 embedded pair is meaningless.
+    fix_bf16_dot()
 
     import sglang.kernels.ops.speculative.cache_locs as cache_locs
     import sglang.srt.layers.rotary_embedding.base as rotary
@@ -182,13 +187,14 @@ def install_seams(dispatch: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def server_args(mode: str, work: Path):
+def server_args(opts: argparse.Namespace, work: Path):
+    """SGLang's arguments for a run; ``opts``: the harness's parsed command line."""
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR
 
     os.environ.update(
-        ADAFLASH_VERIFY_MODE=mode,
+        ADAFLASH_VERIFY_MODE=opts.mode,
         ADAFLASH_HOME=str(work / "home"),
         ADAFLASH_FLEET_VERSION_FILE=str(work / "fleet-version"),
         ADAFLASH_LOADED_VERSION_FILE=str(work / "loaded.json"),
@@ -203,23 +209,24 @@ def server_args(mode: str, work: Path):
             "--speculative-algorithm", "ADAFLASH",
             "--speculative-draft-model-path", str(DRAFTER_DIR),
             "--device", "cuda",
-            "--attention-backend", "fa3",
-            "--speculative-draft-attention-backend", "fa3",
+            "--attention-backend", opts.attention,
+            "--speculative-draft-attention-backend", opts.draft_attention,
             "--cuda-graph-backend-decode", "disabled",
             "--cuda-graph-backend-prefill", "disabled",
-            "--disable-overlap-schedule",
-            "--disable-radix-cache",
             "--skip-tokenizer-init",
             "--max-total-tokens", "4096",
             "--mem-fraction-static", "0.1",
             "--random-seed", "0",
+            "--dtype", opts.dtype,
+            *([] if opts.overlap else ["--disable-overlap-schedule"]),
+            *([] if opts.radix else ["--disable-radix-cache"]),
         ]
     )  # fmt: skip
     args.resolve_once()
     return args
 
 
-def build_scheduler(mode: str, work: Path, order: list[str]):
+def build_scheduler(opts: argparse.Namespace, work: Path, order: list[str]):
     """SGLang's Scheduler, built as its scheduler process builds it; ``order`` records when the
     worker and the attention backends came to exist."""
     from sglang.srt.managers.scheduler import Scheduler
@@ -231,7 +238,7 @@ def build_scheduler(mode: str, work: Path, order: list[str]):
     from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
 
     register()
-    args = server_args(mode, work)
+    args = server_args(opts, work)
     port_args = PortArgs.init_new(args)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     global _DEVICE_OVERRIDE  # held for the rest of this process
@@ -265,7 +272,8 @@ def build_scheduler(mode: str, work: Path, order: list[str]):
 # ---------------------------------------------------------------------------------------------
 
 
-def prompts() -> list[list[int]]:
+def prompts(max_tokens: int = 160) -> list[list[int]]:
+    """Token ids of two held-out prompts per embedded domain, the last ``max_tokens`` of each."""
     from transformers import PreTrainedTokenizerFast
 
     from sglang_adaflash.assets import DOMAINS, TARGET_DIR, workload_path
@@ -276,7 +284,7 @@ def prompts() -> list[list[int]]:
     for domain in DOMAINS:
         with open(workload_path(domain)) as f:
             for line, _ in zip(f, range(2)):
-                out.append(tok.encode(render_prompt(json.loads(line)["prompt"]))[-160:])
+                out.append(tok.encode(render_prompt(json.loads(line)["prompt"]))[-max_tokens:])
     return out
 
 
@@ -304,24 +312,62 @@ def submit(scheduler, rid: str, input_ids: list[int], temperature: float, max_ne
     )
 
 
-def run_to_completion(scheduler, on_step=None, max_iters=200) -> dict[str, list[int]]:
+def run_to_completion(
+    scheduler, on_step=None, max_iters=200, cached: dict | None = None
+) -> dict[str, list[int]]:
+    """Drive SGLang's scheduler as its own event loop does (``event_loop_normal``, or
+    ``event_loop_overlap`` when overlap scheduling is on: launch a batch, then process the
+    previous batch's result while it runs), with requests submitted directly instead of over
+    ZMQ. Returns the finished requests' outputs by rid; ``cached`` gets each one's prompt
+    tokens served from the radix cache."""
     done: dict[str, list[int]] = {}
+    queue: deque = deque()
+    scheduler.result_queue = queue  # event_loop_overlap's attribute, read by SGLang's helpers
+    # run_event_loop sets this before dispatching: off unless CUDA (no shared-read fence)
+    scheduler.__dict__.setdefault("_war_barrier_enabled", False)
+    overlap = scheduler.enable_overlap
+    if overlap:
+        scheduler.enable_skip_finishing_decode = True
+
+    def process(batch, result):
+        scheduler.process_batch_result(batch, result)
+        for req in batch.reqs:
+            if req.finished():
+                # what a client receives: speculative steps may commit past max_new_tokens
+                done[req.rid] = list(req.output_ids_through_stop)
+                if cached is not None:
+                    cached[req.rid] = int(req.cached_tokens)
+
     for _ in range(max_iters):
         plan = scheduler.get_next_batch_to_run(
             running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
         )
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
-        if not batch:
-            return done
-        if on_step is not None:
-            on_step(batch)
-        result = scheduler.run_batch(batch)
-        scheduler.process_batch_result(batch, result)
+        if not overlap:
+            if not batch:
+                return done
+            if on_step is not None:
+                on_step(batch)
+            process(batch, scheduler.run_batch(batch))
+            scheduler.last_batch = batch
+            continue
+        serial = scheduler.is_disable_overlap_for_batch(batch, last_batch=scheduler.last_batch)
+        if serial and queue:
+            process(*queue.popleft())
+        result = None
+        if batch:
+            if on_step is not None:
+                on_step(batch)
+            result = scheduler.run_batch(batch)
+            scheduler._apply_war_barrier()
+            queue.append((batch.copy(), result))
+        if scheduler.last_batch and not serial and queue:
+            process(*queue.popleft())
+        scheduler.launch_batch_sample_if_needed(result, batch)
         scheduler.last_batch = batch
-        for req in batch.reqs:
-            if req.finished():
-                done[req.rid] = list(req.output_ids)
+        if not batch and not queue:
+            return done
     raise RuntimeError(f"requests still running after {max_iters} scheduler iterations")
 
 
@@ -334,12 +380,20 @@ class StepLog:
         self.steps: list[dict] = []
         self.verify_inputs: list[dict] = []
         self.phase = ""
+        self.compact_verifies: dict[str, int] = {}  # phase -> calls of the packed verify path
 
     def install(self):
         from sglang_adaflash.sglang_plugin import worker as wmod
 
         log = self
         accept = wmod.AdaFlashWorkerV2._accept_block
+        compact_verify = wmod.AdaFlashWorkerV2._compact_verify
+
+        def counted_compact_verify(self, *args, **kwargs):
+            log.compact_verifies[log.phase] = log.compact_verifies.get(log.phase, 0) + 1
+            return compact_verify(self, *args, **kwargs)
+
+        wmod.AdaFlashWorkerV2._compact_verify = counted_compact_verify
         real_target = self.worker._target_worker
         target_forward = real_target.forward_batch_generation
 
@@ -347,10 +401,20 @@ class StepLog:
             step = self.__dict__.get("_ada_step")
             logits = kwargs.get("next_token_logits")
             sampling = kwargs.get("sampling_info")
+            verify = log.verify_inputs[-1] if log.verify_inputs else None
+            # a greedy compact step hands DFlash a storage-less stand-in (length_budget.
+            # no_logits) and its tokens instead: rebuild the strided logits from the target's
+            # packed output for the checks, as the scatter-back would have
+            stand_in = logits is not None and logits.stride(0) == 0
             record = {
                 "phase": log.phase,
                 "candidates": candidates.clone(),
-                "logits": None if logits is None else logits.clone(),
+                "logits": None if logits is None
+                else strided_logits(verify["packed_logits"], step.plan.verify_lens_cpu, logits)
+                if stand_in else logits.clone(),
+                "logits_stand_in": stand_in,
+                "predict": None if getattr(step, "target_predict", None) is None
+                else step.target_predict.clone(),
                 "logits_ptr": None if logits is None else logits.untyped_storage().data_ptr(),
                 "prefix_lens": kwargs["prefix_lens"].clone(),
                 "verify_lens": None if step is None or step.plan is None
@@ -359,7 +423,7 @@ class StepLog:
                 else sampling.temperatures.view(-1).clone(),
                 "top_ks": None if sampling is None else sampling.top_ks.view(-1).clone(),
                 "top_ps": None if sampling is None else sampling.top_ps.view(-1).clone(),
-                "verify": log.verify_inputs[-1] if log.verify_inputs else None,
+                "verify": verify,
                 "buffers": {
                     k: b.tensor.untyped_storage().data_ptr()
                     for k, b in self.__dict__.get("_ada_scatter_buffers", {}).items()
@@ -392,10 +456,107 @@ class StepLog:
                         "ragged": getattr(fb.spec_info, "ragged_verify_layout", None) is not None,
                     }
                 )
-            return target_forward(*args, **kwargs)
+            out = target_forward(*args, **kwargs)
+            if kwargs.get("is_verify") and fb is not None:
+                log.verify_inputs[-1]["packed_logits"] = out.logits_output.next_token_logits.clone()
+            return out
 
         wmod.AdaFlashWorkerV2._accept_block = accept_block
         real_target.forward_batch_generation = forward
+
+
+def strided_logits(packed: torch.Tensor, verify_lens: list[int], like: torch.Tensor):
+    """Packed verify logits [T, V] -> [bs*B, V] with request i's rows at i*B.., zeros past L_i."""
+    block = like.shape[0] // len(verify_lens)
+    out = torch.zeros(like.shape, dtype=packed.dtype)
+    row = 0
+    for i, n in enumerate(verify_lens):
+        out[i * block : i * block + n] = packed[row : row + n]
+        row += n
+    return out
+
+
+class SyncTrap:
+    """Records every host read of a tensor inside the plugin's part of a decode step.
+
+    From the moment the drafter's output reaches the plugin until the verify logits are back,
+    nothing may wait for the device: no ``tolist``/``item``/``cpu``/``numpy``, no Python
+    ``int``/``float``/``bool``/``index`` of a tensor, no ``torch.tensor(..., device=...)``
+    (a pageable host-to-device copy waits for the stream too). SGLang's own verify preparation
+    and the target forward (what DFLASH runs too, CUDA-graph replays on a GPU) are outside the
+    window. Here every tensor is on the CPU, so each such call is recorded with its caller
+    rather than measured."""
+
+    READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+    #: The shared planner stops its rounds early only when its tensors are on a CPU, where a
+    #: read costs nothing (planner/lengths.py: ``sync_free``); on a GPU it runs fixed rounds.
+    CPU_ONLY = {("lengths.py", "plan_lengths")}
+
+    def __init__(self):
+        self.depth = 0  # > 0: inside the window
+        self.windows = 0
+        self.violations: list[str] = []
+
+    def _record(self, what):
+        if self.depth > 0:
+            frame = sys._getframe(2)
+            if (Path(frame.f_code.co_filename).name, frame.f_code.co_name) in self.CPU_ONLY:
+                return
+            self.violations.append(f"{what} at {Path(frame.f_code.co_filename).name}:"
+                                   f"{frame.f_lineno} ({frame.f_code.co_name})")
+
+    def install(self, worker_cls):
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        trap = self
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(self, *a, _orig=original, _name=name, **k):
+                trap._record(f"Tensor.{_name}")
+                return _orig(self, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+        tensor = torch.tensor
+
+        def make(*a, **k):
+            if k.get("device") is not None:
+                trap._record("torch.tensor(..., device=...)")
+            return tensor(*a, **k)
+
+        torch.tensor = make
+
+        def window(fn, on):
+            def wrapped(*a, **k):
+                trap.depth += 1 if on else -1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    trap.depth -= 1 if on else -1
+
+            return wrapped
+
+        draft = worker_cls._on_draft_output
+
+        def on_draft(self, out):
+            trap.windows += 1
+            return window(draft, True)(self, out)
+
+        worker_cls._on_draft_output = on_draft
+        worker_cls._compact_verify = window(worker_cls._compact_verify, True)
+        DFlashVerifyInput.prepare_for_verify = window(DFlashVerifyInput.prepare_for_verify, False)
+
+    def outside(self, fn):
+        """``fn`` (the target forward) runs outside the window."""
+
+        def wrapped(*a, **k):
+            saved, self.depth = self.depth, 0
+            try:
+                return fn(*a, **k)
+            finally:
+                self.depth = saved
+
+        return wrapped
 
 
 def publish_perturbed(home: Path) -> str:
@@ -475,12 +636,31 @@ class ReloadUnderLoad:
         )
 
 
+class _Done(Exception):
+    """Ends a --light run after its greedy phase."""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mode", default="compact", choices=["compact", "cap", "fixed"])
     ap.add_argument("--dispatch", default="torch", choices=["torch", "triton"])
     ap.add_argument("--max-new", type=int, default=20)
+    ap.add_argument("--attention", default="fa3", choices=["fa3", "triton"],
+                    help="target attention: the FA3 stand-in, or SGLang's Triton backend "
+                    "(interpreted; with the plugin's ragged-verify extension in compact mode)")
+    ap.add_argument("--draft-attention", default="fa3", choices=["fa3", "triton"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="model dtype (auto: the checkpoint's bfloat16)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="synchronous scheduling (default: SGLang's overlap scheduler)")
+    ap.add_argument("--no-radix", dest="radix", action="store_false",
+                    help="no radix (prefix) cache (default: on)")
+    ap.add_argument("--prompt-tokens", type=int, default=160,
+                    help="keep the last N tokens of each prompt (interpreted attention is slow)")
+    ap.add_argument("--light", action="store_true",
+                    help="greedy requests only (three, one joining mid-run), no reload: the "
+                    "interpreted attention kernels take minutes per run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -494,7 +674,7 @@ def main(argv=None) -> int:
     kernels.install()
     t0 = time.time()
     try:
-        scheduler = build_scheduler(args.mode, args.out, summary["order"])
+        scheduler = build_scheduler(args, args.out, summary["order"])
     except Exception:
         summary["error"] = traceback.format_exc()
         write()
@@ -506,6 +686,7 @@ def main(argv=None) -> int:
         "mode": worker._ada_mode,
         "head": worker._ada_planner.head is not None,
         "target_backend": type(worker._target_worker.model_runner.attn_backend).__name__,
+        "draft_backend": type(worker.draft_model_runner.attn_backend).__name__,
     }
     for layer in worker.draft_model.layers:
         layer.self_attn.use_table_qk_norm_rope = False
@@ -514,13 +695,20 @@ def main(argv=None) -> int:
         worker._use_triton_accept_bonus = True
     log = StepLog(worker)
     log.install()
-    inputs = prompts()
+    trap = SyncTrap()
+    if args.mode == "compact":
+        from sglang_adaflash.sglang_plugin.worker import AdaFlashWorkerV2
+
+        trap.install(AdaFlashWorkerV2)
+        target = worker._target_worker
+        target.forward_batch_generation = trap.outside(target.forward_batch_generation)
+    inputs = prompts(args.prompt_tokens)
     try:
         torch.manual_seed(0)
         kernels.enabled = True
         # 1) greedy requests of different lengths; the drafter is hot-reloaded after step 3
         log.phase = "greedy"
-        for i, ids in enumerate(inputs[:4]):
+        for i, ids in enumerate(inputs[: 2 if args.light else 4]):
             submit(scheduler, f"g{i}", ids, 0.0, args.max_new - 3 * i)
         reload = ReloadUnderLoad(worker, args.out)
         decode_steps = [0]
@@ -528,20 +716,33 @@ def main(argv=None) -> int:
         def on_step(batch):
             if batch.forward_mode.is_decode():
                 decode_steps[0] += 1
+                if decode_steps[0] == 2:  # a request joins the running batch
+                    submit(scheduler, "join", inputs[5], 0.0, args.max_new - 2)
+                if args.light:
+                    return
                 if decode_steps[0] == 4:
                     reload.stage()
                 elif decode_steps[0] == 5:
                     reload.check()
 
         backend.metadata_calls.clear()
-        outputs = run_to_completion(scheduler, on_step)
+        cached: dict[str, int] = {}
+        summary["scheduler"] = {"overlap": scheduler.enable_overlap, "radix": args.radix,
+                                "cached_tokens": cached}  # fmt: skip
+        outputs = run_to_completion(scheduler, on_step, cached=cached)
         summary["metadata_calls"] = list(backend.metadata_calls)
         summary["reload"] = reload.result
+        if args.light:
+            raise _Done
         # 2) greedy and sampled requests in one batch
         log.phase = "mixed"
         for i, ids in enumerate(inputs[2:6]):
             submit(scheduler, f"m{i}", ids, 0.0 if i % 2 == 0 else 1e-3, args.max_new - 4)
-        outputs.update(run_to_completion(scheduler))
+        backend.metadata_calls.clear()
+        outputs.update(run_to_completion(scheduler, cached=cached))
+        summary["metadata_calls_mixed"] = list(backend.metadata_calls)
+    except _Done:
+        pass
     except Exception:
         summary["error"] = traceback.format_exc()
         write()
@@ -552,6 +753,8 @@ def main(argv=None) -> int:
     summary["outputs"] = outputs
     summary["kernels"] = {k: sorted(v) for k, v in sorted(kernels.callers.items())}
     summary["steps"] = len(log.steps)
+    summary["compact_verifies"] = log.compact_verifies
+    summary["sync_trap"] = {"windows": trap.windows, "violations": trap.violations[:50]}
     torch.save(log.steps, args.out / "steps.pt")
     write()
     return 0

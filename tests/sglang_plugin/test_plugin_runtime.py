@@ -21,6 +21,7 @@ from sglang_adaflash.sglang_plugin.runtime import (
     HeadLoadError,
     SGLangDraftTarget,
     StepStatsQueue,
+    checkpoint_dtypes,
     expected_draft_spec,
     initial_version,
     load_length_head,
@@ -87,7 +88,9 @@ def test_sglang_draft_target_reloads_in_place_with_the_head(tmp_path):
     target = CompositeTarget(
         {
             "draft": SGLangDraftTarget(
-                draft, expected_draft_spec(cfg, torch.float32), refresh=lambda: refreshed.append(1)
+                draft,
+                expected_draft_spec(cfg, checkpoint_dtypes(home / "drafters" / v1)),
+                refresh=lambda: refreshed.append(1),
             ),
             "head": ModuleTarget(head, prefix="thresh_head_two_model."),
         }

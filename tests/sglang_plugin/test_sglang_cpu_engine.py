@@ -12,12 +12,6 @@ verifier (``sglang_adaflash.core.rejection``) on the same logits.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,8 +21,8 @@ pytest.importorskip("sglang")
 
 from sglang_adaflash.core.rejection import verify_greedy, verify_sampling  # noqa: E402
 from sglang_adaflash.core.sampling import filtered_probs  # noqa: E402
+from tests.sglang_plugin.harness_runs import run_harness  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 B = 16  # the embedded drafter's block size
 
 #: The SGLang Triton kernels a compact decode step must launch, and the plugin function that
@@ -50,41 +44,24 @@ EXPECTED_KERNELS = {
         "worker.AdaFlashWorkerV2.forward_batch_generation",
 }  # fmt: skip
 
-RUNS = (("compact", "torch"), ("compact", "triton"), ("cap", "torch"))
+#: (mode, dispatch) -> extra harness arguments. The compact runs use SGLang's overlap scheduler
+#: and radix cache (the harness's default); the cap run keeps the synchronous scheduler and no
+#: prefix cache, so both of SGLang's event loops are exercised.
+RUNS = {
+    ("compact", "torch"): [],
+    ("compact", "triton"): [],
+    ("cap", "torch"): ["--no-overlap", "--no-radix"],
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[dict, list[dict]]]:
     """The harness once per (mode, dispatch), the three processes side by side."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    for name in list(env):
-        if name.startswith("ADAFLASH_") or name == "SGLANG_RAGGED_VERIFY_MODE":
-            del env[name]
-    procs = {}
-    for mode, dispatch in RUNS:
-        out = tmp_path_factory.mktemp(f"cpu-sglang-{mode}-{dispatch}")
-        cmd = [sys.executable, "-m", "tests.sglang_plugin.cpu_sglang", "--out", str(out),
-               "--mode", mode, "--dispatch", dispatch]  # fmt: skip
-        log = open(out / "log.txt", "w")
-        procs[mode, dispatch] = (
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log),
-            out,
-            log,
-        )
-    results = {}
-    for key, (proc, out, log) in procs.items():
-        try:
-            proc.wait(timeout=1800)
-        finally:
-            log.close()
-        summary_path = out / "summary.json"
-        if not summary_path.exists():
-            tail = (out / "log.txt").read_text()[-6000:]
-            pytest.fail(f"the {key} harness wrote nothing (rc {proc.returncode}):\n{tail}")
-        summary = json.loads(summary_path.read_text())
-        steps = torch.load(out / "steps.pt", weights_only=True) if not summary.get("error") else []
-        results[key] = (summary, steps)
-    return results
+    return run_harness(
+        {(m, d): ["--mode", m, "--dispatch", d, *extra] for (m, d), extra in RUNS.items()},
+        tmp_path_factory,
+        timeout=1800,
+    )
 
 
 def _run(runs, mode, dispatch):
@@ -127,7 +104,26 @@ def test_worker_builds_in_sglangs_scheduler_order(compact_torch):
         "mode": "compact",
         "head": True,
         "target_backend": "CpuRaggedVerifyBackend",
+        "draft_backend": "CpuRaggedVerifyBackend",
     }
+
+
+def test_overlap_scheduler_and_radix_cache_serve_compact_steps(compact, cap_torch):
+    """The compact runs go through SGLang's overlap event loop (a batch is launched before the
+    previous batch's result is processed) with the radix cache on: a request whose prompt was
+    served before reuses its cached prefix, and its greedy output is the same as the first
+    time. The cap run is the synchronous, cache-less control."""
+    summary, steps = compact
+    sched = summary["scheduler"]
+    assert sched["overlap"] and sched["radix"]
+    assert sched["cached_tokens"]["m0"] > 0  # m0 repeats g2's prompt
+    again, first = summary["outputs"]["m0"], summary["outputs"]["g2"]
+    n = min(len(again), len(first))
+    assert n >= 10 and again[:n] == first[:n]
+    assert any(s["phase"] == "mixed" for s in steps)
+    control = cap_torch[0]["scheduler"]
+    assert not control["overlap"] and not control["radix"]
+    assert set(control["cached_tokens"].values()) == {0}
 
 
 def test_cap_mode_builds_and_caps_whole_block_verification(cap_torch):
@@ -237,6 +233,17 @@ def test_sglang_kernels_run_interpreted_through_plugin_functions(compact_triton)
         assert caller in launched.get(kernel, []), (kernel, launched.get(kernel))
 
 
+def test_compact_steps_read_nothing_back_from_the_device(compact_torch):
+    """Between the drafter's output and the verify logits the plugin never waits for the
+    device: lengths are planned, fitted to the host's lagged total, packed and scattered on
+    the device (cpu_sglang.SyncTrap lists what is trapped). Fails on a plugin that copies the
+    plan to the host (``tolist``) and back (``torch.tensor(..., device=...)``)."""
+    summary, steps = compact_torch
+    trap = summary["sync_trap"]
+    assert trap["windows"] >= len([s for s in steps if s["phase"] == "greedy"]) > 0
+    assert trap["violations"] == [], trap["violations"]
+
+
 def test_compact_steps_prepare_only_the_compact_verify(compact_torch):
     """The full-width verify that DFlash prepares is never run in compact mode, so its attention
     metadata is not planned: per step the target plans the compact batch, which the eager
@@ -249,12 +256,54 @@ def test_compact_steps_prepare_only_the_compact_verify(compact_torch):
     ]
 
 
-def test_scattered_logits_reuse_one_buffer(compact_triton):
-    """On the Triton path the strided [bs*B, vocab] logits land in one reused buffer instead of
-    a fresh allocation per step."""
-    _, steps = compact_triton
-    later = steps[1:]
-    assert later and all(s["logits_ptr"] == s["buffers"].get("logits") for s in later)
+def test_greedy_compact_steps_keep_no_strided_logits(compact):
+    """A greedy compact step hands DFlash's acceptance the target's tokens, scattered to the
+    strided layout, and a [bs*B, V] stand-in with no memory of its own: no [bs*B, V] float32
+    logits buffer exists in the greedy phase (the plugin allocates one only for steps that
+    need logits: logprobs, grammar, penalties). The tokens are the argmax of the verified
+    rows, and on the Triton path they land in one reused buffer. Fails on a plugin that
+    scatters the logits back for every compact step."""
+    _, steps = compact
+    greedy = [s for s in steps if s["phase"] == "greedy"]
+    assert greedy
+    for s in greedy:
+        assert s["logits_stand_in"] and "logits" not in s["buffers"]
+        bs = len(s["verify_lens"])
+        predict = s["predict"].view(bs, B)
+        top1 = s["logits"].view(bs, B, -1).argmax(-1)
+        for i, n in enumerate(s["verify_lens"]):
+            assert torch.equal(predict[i, :n], top1[i, :n])
+    # SGLang's Triton scatter writes into the plugin's buffer (its torch path allocates): a
+    # new buffer only when the batch outgrows every earlier one
+    ptr, widest = None, 0
+    for s in greedy:
+        bs = len(s["verify_lens"])
+        if s["buffers"].get("predict") != ptr:
+            assert bs > widest, "the token buffer was reallocated for a batch that fitted"
+            ptr = s["buffers"].get("predict")
+        widest = max(widest, bs)
+
+
+def test_sampled_batches_cost_what_dflash_costs(compact):
+    """A batch with a sampled request verifies whole blocks through DFlash's own verify batch
+    (with the uniform layout attached): one verify batch of bs * B tokens with its metadata
+    planned as DFLASH's eager verify plans it (its preparation, then the eager forward), no
+    packed window and no [bs*B, V] scatter. Fails when such a step still builds the compact
+    batch: the plugin's packed verify path runs (and on the Triton path its logits land in
+    the scatter buffer)."""
+    summary, steps = compact
+    mixed = [s for s in steps if s["phase"] == "mixed"]
+    assert mixed
+    assert summary["compact_verifies"].get("mixed", 0) == 0  # greedy phase: it does run
+    assert summary["compact_verifies"]["greedy"] > 0
+    for s in mixed:
+        bs = len(s["verify_lens"])
+        assert s["verify_lens"] == [B] * bs
+        assert s["verify"]["ragged"] and s["verify"]["input_ids"].numel() == bs * B
+        assert s["logits_ptr"] != s["buffers"].get("logits")
+    calls = [c for c in summary["metadata_calls_mixed"] if c[0] == "target" and c[1] == "TARGET_VERIFY"]
+    want = [(len(s["verify_lens"]), len(s["verify_lens"]) * B) for s in mixed for _ in range(2)]
+    assert [tuple(c[2:]) for c in calls] == want
 
 
 def test_reload_under_load_swaps_in_place_through_sglangs_draft_model(compact):

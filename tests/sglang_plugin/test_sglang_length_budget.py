@@ -6,8 +6,6 @@ The packed verify, scatter-back and capped acceptance run inside SGLang's real d
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -19,32 +17,73 @@ from sglang_adaflash.planner.cost import StepCostModel  # noqa: E402
 from sglang_adaflash.sglang_plugin import length_budget as lb  # noqa: E402
 
 
-def test_batches_above_the_captured_graphs_run_on_exact_tokens():
-    runner = SimpleNamespace(
-        decode_cuda_graph_runner=SimpleNamespace(
-            ragged_verify_mode=True, capture_num_tokens=[8, 16], max_bs=2
+def test_host_budget_rounds_the_lagged_total_up_to_a_captured_bucket():
+    """The host's total comes from host values only: the lagged mean times the batch size,
+    within the requests' floors and caps, rounded up to a captured token bucket (whose spare
+    tokens are verified too); batches above the captured sizes run on exact tokens."""
+    budget = lb.plan_host_budget(
+        block_size=8, min_len=2, remaining=[20, 20, 3], bs=3, mean_len=3.4, grid=[8, 16, 24]
+    )
+    assert budget.cap == [8, 8, 3] and budget.lo == [2, 2, 2]
+    assert budget.graph_num_tokens == 16 and budget.total == 16  # round(10.2) -> bucket 16
+    above = lb.plan_host_budget(
+        block_size=8, min_len=2, remaining=None, bs=4, mean_len=7, grid=[8, 16, 24], max_slots=3
+    )
+    assert above.graph_num_tokens == above.total == 28  # 4 requests > 3 captured slots: eager
+    # the bucket never asks for more than the requests may verify
+    tight = lb.plan_host_budget(
+        block_size=8, min_len=2, remaining=[2, 2], bs=2, mean_len=8, grid=[16]
+    )
+    assert tight.total == 4 and tight.graph_num_tokens == 16
+    # sampled requests verify whole blocks
+    sampled = lb.plan_host_budget(
+        block_size=8, min_len=2, remaining=None, bs=2, mean_len=1, sampled=[True, False]
+    )
+    assert sampled.lo == [8, 2] and sampled.total == 10
+
+
+def test_fit_to_total_gives_the_spare_slots_to_the_likeliest_requests():
+    survival = torch.tensor([0.9, 0.5, 0.0, 0.9])
+    lo, cap = torch.tensor([2, 2, 2, 1]), torch.tensor([8, 8, 8, 3])
+    lens = lb.fit_to_total(survival, lo, cap, 14, 8)
+    assert int(lens.sum()) == 14 and (lens >= lo).all() and (lens <= cap).all()
+    assert lens.tolist() == [7, 2, 2, 3]  # 0.9^s beats 0.5^1 until s = 7; request 3 is capped
+    # against brute force on small cases: the split maximises sum_i sum_{s<L_i} a_i^s
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = torch.rand(3, generator=g)
+        lo, cap = torch.tensor([1, 2, 1]), torch.tensor([4, 4, 3])
+        total = int(torch.randint(4, 12, (1,), generator=g))
+        got = lb.fit_to_total(a, lo, cap, total, 4)
+
+        def value(lens, a=a):
+            return sum(sum(float(a[i]) ** s for s in range(n)) for i, n in enumerate(lens))
+
+        best = max(
+            value(c)
+            for c in itertools.product(range(1, 5), range(2, 5), range(1, 4))
+            if sum(c) == total
         )
-    )
-    plan = lb.VerifyPlan.from_lists([8, 8, 3], 8)  # 19 tokens > the largest bucket 16
-    layout = lb.build_layout(plan, device=torch.device("cpu"), model_runner=runner)
-    assert layout.graph_num_tokens == 19
-    small = lb.build_layout(
-        lb.VerifyPlan.from_lists([3, 2], 8), device=torch.device("cpu"), model_runner=runner
-    )
-    assert small.graph_num_tokens == 8
-    eager = SimpleNamespace(decode_cuda_graph_runner=None)  # graphs disabled
-    assert (
-        lb.build_layout(plan, device=torch.device("cpu"), model_runner=eager).graph_num_tokens == 19
-    )
+        assert int(got.sum()) == total
+        assert abs(value(got.tolist()) - best) < 1e-5, (a, total, got)
 
 
-def test_uniform_plan_packs_whole_blocks():
+def test_uniform_plan_is_whole_blocks_known_on_the_host():
     plan = lb.VerifyPlan.uniform(3, 4, "sampling")
-    assert plan.is_uniform and plan.num_verify_tokens == 12
-    layout = lb.build_layout(plan, device=torch.device("cpu"))
-    assert layout.graph_num_tokens == 12
+    assert plan.is_uniform and plan.num_verify_tokens == 12 and plan.total_host == 12
+    layout = lb.verify_layout(plan.lengths, total=12, graph_num_tokens=16)
+    assert layout.graph_num_tokens == 16 and layout.total_verify_tokens == 12
     cand = torch.arange(12).view(3, 4)
-    assert torch.equal(lb.cap_candidates(cand, torch.tensor(plan.verify_lens_cpu)), cand)
+    assert torch.equal(lb.cap_candidates(cand, plan.lengths), cand)
+
+
+def test_lagged_mean_reads_what_landed():
+    lag = lb.LaggedMean(16.0)
+    assert lag.read() == 16.0
+    lag.push(torch.tensor([4, 6]))
+    assert lag.read() == 5.0
 
 
 def test_plan_bounds():

@@ -129,7 +129,18 @@ def test_block_size_flag_must_match_the_drafter(registered, model_pair, clean_en
         _resolve(model_pair, model_pair["head"], "--speculative-num-draft-tokens", "16")
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_auto_picks_compact_on_triton(registered, model_pair, clean_env, capfd):
+    """The plugin extends SGLang's Triton backend with ragged verify (backends.py), so auto
+    resolves compact there and the start-up message names the backend and the mode."""
+    import os
+
+    _resolve(model_pair, model_pair["head"], "--attention-backend", "triton")
+    assert os.environ["ADAFLASH_RESOLVED_VERIFY_MODE"] == "compact"
+    assert os.environ["SGLANG_RAGGED_VERIFY_MODE"] == "compact"
+    assert "verify mode compact on target attention backend 'triton'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "torch_native"])
 def test_backend_without_ragged_verify_falls_back_in_auto(
     registered, model_pair, clean_env, backend, capfd
 ):
@@ -140,6 +151,7 @@ def test_backend_without_ragged_verify_falls_back_in_auto(
     assert "SGLANG_RAGGED_VERIFY_MODE" not in os.environ
     # SGLang configures its own log handler on stderr, so read the stream, not caplog.
     err = capfd.readouterr().err
+    assert f"verify mode fixed on target attention backend '{backend}'" in err
     assert (
         f"falling back to fixed-length DFlash verification because attention backend '{backend}'"
         in err
@@ -148,7 +160,21 @@ def test_backend_without_ragged_verify_falls_back_in_auto(
     assert ("--attention-backend trtllm_mha" in err) == (backend == "flashinfer")
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_compact_on_flashinfer_only_when_asked_for(registered, model_pair, clean_env, capfd):
+    """FlashInfer verifies ragged layouts through the plugin eagerly only (no CUDA graphs for
+    the verify forward), so auto keeps fixed there (the test above) and an explicit compact
+    resolves compact and says it is eager."""
+    import os
+
+    clean_env.setenv("ADAFLASH_VERIFY_MODE", "compact")
+    _resolve(model_pair, model_pair["head"], "--attention-backend", "flashinfer")
+    assert os.environ["ADAFLASH_RESOLVED_VERIFY_MODE"] == "compact"
+    err = capfd.readouterr().err
+    assert "verify mode compact on target attention backend 'flashinfer'" in err
+    assert "eager verify forward" in err
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "flashmla"])
 def test_backend_without_ragged_verify_is_rejected_for_compact(
     registered, model_pair, clean_env, backend
 ):

@@ -11,12 +11,12 @@ pytest.importorskip("sglang")
 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
+from sglang_adaflash.sglang_plugin.options import RESOLVED_MODE_ENV  # noqa: E402
 from sglang_adaflash.sglang_plugin.spec import (  # noqa: E402
     DFLASH_DELEGATED,
     DFLASH_PARITY,
     OWN_ANSWERS,
     PREDICATE_PREFIXES,
-    RESOLVED_MODE_ENV,
     AdaFlashSpecAlgo,
     unmapped_predicates,
 )

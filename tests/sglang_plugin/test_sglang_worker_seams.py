@@ -30,13 +30,16 @@ B, V = 4, 50
 
 
 class FakePlanner:
+    min_len = 1
+
     def __init__(self, lens):
         self.lens = lens
         self.head = object()
         self.seen = []
 
-    def plan(self, hidden, bs, *, greedy, max_len=None):
+    def plan(self, hidden, bs, *, greedy, max_len=None, budget=None):
         self.seen.append((None if hidden is None else tuple(hidden.shape), bs, greedy, max_len))
+        self.budget = budget
         return lb.VerifyPlan.from_lists(self.lens, B)
 
 
@@ -69,6 +72,8 @@ def make_worker(mode="compact", lens=(4, 2, 1)):
     w._ada_sink = RecSink()
     w._ada_stats = StepStatsQueue(w._ada_sink)
     w._ada_reloader = FakeReloader()
+    w._ada_lag = lb.LaggedMean(B)
+    w._ada_uniform_layouts = {}
     w._target_worker = FakeTarget()
     w.draft_model_runner = FakeDraftRunner()
     # read by DFlashWorkerV2._accept_block (greedy torch path)
@@ -207,9 +212,11 @@ def make_batch(lens_accept=(3, 3, 3)):
                 sampling_params=SimpleNamespace(custom_params={"domain": "code"}, max_new_tokens=m),
                 output_ids=[0] * 3,
             )
-            for m in (8, 4, 6)
+            for m in (8, 6, 6)
         ],
         sampling_info=None,
+        has_grammar=False,
+        return_logprob=False,
         forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
         is_extend_in_batch=False,
     )
@@ -224,13 +231,17 @@ def test_decode_step_runs_compact_and_caps(monkeypatch, patched):
 
     assert w._ada_reloader.calls == 1  # reload point before the step
     # the head saw the draft states; lengths are capped by the tokens each request may still make
-    assert w._ada_planner.seen == [((3 * B, 8), 3, True, [5, 1, 3])]
+    assert w._ada_planner.seen == [((3 * B, 8), 3, True, [5, 3, 3])]
+    # the host's total, decided before drafting: caps [4, 3, 3], no lag yet (whole blocks)
+    assert w._ada_planner.budget.cap == [4, 3, 3] and w._ada_planner.budget.total == 10
     assert w.draft_model_runner is real_runner and w._ada_step is None  # seams removed
     ((fb, kw),) = w._target_worker.verify_calls
     assert kw["skip_attn_backend_init"] is True
-    assert fb.input_ids.numel() == 7  # 4 + 2 + 1 packed rows, not 3 * 4
-    assert fb.spec_info.ragged_verify_layout.verify_lens.tolist() == [4, 2, 1]
-    assert fb.seq_lens_cpu.tolist() == [14, 22, 31]  # committed + verify length
+    layout = fb.spec_info.ragged_verify_layout
+    assert layout.total_verify_tokens == 7  # 4 + 2 + 1 packed rows, not 3 * 4
+    assert fb.input_ids.numel() == layout.graph_num_tokens == 10  # padded to the host's bucket
+    assert layout.verify_lens.tolist() == [4, 2, 1]
+    assert fb.seq_lens_cpu.tolist() == [14, 23, 33]  # committed + the most it may verify
     # batch state the rest of SGLang's step reads is restored
     assert batch.out_cache_loc.tolist() == list(range(12)) and batch.seq_lens_cpu.tolist() == [
         10,
@@ -238,6 +249,7 @@ def test_decode_step_runs_compact_and_caps(monkeypatch, patched):
         30,
     ]
     assert batch.seq_lens_sum == 60
+    assert w._ada_lag.read() == 4.0  # the fake plan has no rule lengths: nothing to lag
     # capped acceptance: min(3, L - 1); bonus from the verified slot; no marker leaks out
     assert (result.accept_lens - 1).tolist() == [3, 1, 0]
     want_bonus = [
@@ -343,3 +355,35 @@ def test_calls_before_our_init_go_straight_to_dflash(monkeypatch):
     cand = torch.ones(2, B, dtype=torch.int64)
     assert w._accept_block(candidates=cand) is cand
     w.on_verify_complete_cpu([1, 2], batch_size=2)  # no stats queue yet: ignored
+
+
+@pytest.mark.parametrize("needs_logits", [False, True])
+def test_only_steps_that_need_logits_get_strided_logits(monkeypatch, patched, needs_logits):
+    """A greedy compact step hands SGLang's acceptance the target's tokens and a stand-in
+    with no memory of its own for the [bs*B, V] logits; a step that needs the logits
+    themselves (here: logprobs) gets them scattered back, and SGLang takes the argmax."""
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", fake_dflash_step)
+    seen = {}
+    accept = DFlashWorkerV2._accept_block
+
+    def spy(self, **kwargs):
+        seen.update(kwargs)
+        return accept(self, **kwargs)
+
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", spy)
+    w = make_worker("compact", lens=(4, 2, 1))
+    batch = make_batch()
+    batch.return_logprob = needs_logits
+    result = w.forward_batch_generation(batch)
+    logits = seen["next_token_logits"]
+    assert logits.shape == (3 * B, V)
+    if needs_logits:
+        assert seen.get("target_predict") is None and logits.stride(0) == V
+        assert logits.view(3, B, V)[1, 2].abs().sum() == 0  # an unverified slot
+    else:
+        assert logits.stride(0) == 0 and logits.untyped_storage().nbytes() == 4
+        predict = seen["target_predict"].view(3, B)
+        assert predict[0].tolist() == [
+            int(target_fn(batch.cand[0, k], batch.seq_lens[0] + k)) for k in range(B)
+        ]
+    assert (result.accept_lens - 1).tolist() == [3, 1, 0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from .distill_volume import build_volume, copy_volume
+
 KJV_SAMPLE = """\
 Ge1:1 In the beginning God created the heaven and the earth.
 Ge1:2 And the earth was without form, and void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.
@@ -38,3 +40,16 @@ John1:7 The same came for a witness, to bear witness of the Light, that all men 
 @pytest.fixture
 def kjv_text() -> str:
     return KJV_SAMPLE
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A volume with v000001 and on-policy traffic in both formats (tests/training/
+    distill_volume.py); built once per module."""
+    return build_volume(tmp_path_factory.mktemp("distill"))
+
+
+@pytest.fixture
+def vol(base, tmp_path):
+    """This test's own copy of ``base``."""
+    return copy_volume(base, tmp_path)

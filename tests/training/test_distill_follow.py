@@ -203,8 +203,8 @@ def test_a_rejected_round_consumes_its_records_and_the_follower_goes_on(pair, ho
                               "--require-gain", "1000")) == 0
     lines = _lines(capsys.readouterr().out)
     assert [x["outcome"] for x in lines] == ["rejected"]
-    assert "does not beat the parent's" in lines[0]["reason"]
-    assert report.read_text().startswith("distill: held-out tau")
+    assert "gate failed (NoGain)" in lines[0]["reason"]
+    assert report.read_text().startswith("distill: gate failed (NoGain)")
     assert list_versions(home) == ["v000001"]
     assert len(Ledger(home / "distill" / "consumed.keys").load()) == BATCH
     assert not (home / "distill" / "work").exists()

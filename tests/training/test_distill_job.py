@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -16,70 +15,13 @@ from sglang_adaflash.drafter.store import (
     publish_checkpoint,
     verify_version,
 )
-from sglang_adaflash.serving.traffic import TrafficRecord, TrafficWriter
-from sglang_adaflash.testing.tiny_pair import build_tiny_pair
 from training_job import distill
+from training_job.opd import round as round_mod
 from training_job.opd.traffic import Ledger
 
-N_TRAFFIC, N_SGLANG = 14, 10
+from .distill_volume import N_SGLANG, N_TRAFFIC, job_argv
 
-
-def _sglang_line(rid, prompt, output, domain):
-    obj = {"timestamp": "2026-11-30T09:00:00", "event": "request.finished", "rid": rid,
-           "obj": {"rid": rid, "input_ids": prompt,
-                   "sampling_params": {"temperature": 0.0, "custom_params": {"domain": domain}}},
-           "out": {"output_ids": output, "meta_info": {}}}
-    return f"[2026-11-30 09:00:00] {json.dumps(obj)}\n"
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A volume with v000001 (the tiny pair's drafter) and on-policy traffic in both formats."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("distill")
-    pair = build_tiny_pair(root / "pair", seed=0)
-    home = root / "home"
-    publish_checkpoint(home, pair.drafter_dir, target=target_fingerprint(pair.target_dir))
-    target = AutoModelForCausalLM.from_pretrained(pair.target_dir).eval()
-    rng = random.Random(0)
-    records = []
-    for i in range(N_TRAFFIC + N_SGLANG):
-        prompt = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(rng.randint(3, 8))]
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                  do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                                  pad_token_id=0)
-        records.append((prompt, gen[0, len(prompt):].tolist(), ("code", "math")[i % 2]))
-    with TrafficWriter(home, "pod-a", max_records=5) as w:
-        for i, (p, o, d) in enumerate(records[:N_TRAFFIC]):
-            w.write(TrafficRecord(id=f"r{i}", model="tiny", drafter_version="v000001",
-                                  prompt_ids=p, output_ids=o, sampling={"temperature": 0.0},
-                                  accept_lens=[1] * len(o), finish_reason="length", domain=d,
-                                  ts=1000.0 + i))
-    logdir = home / "traffic" / "pod-b"
-    logdir.mkdir(parents=True)
-    with open(logdir / "host_0.log", "w") as f:
-        for i, (p, o, d) in enumerate(records[N_TRAFFIC:]):
-            f.write(_sglang_line(f"s{i}", p, o, d))
-    return pair, home
-
-
-@pytest.fixture
-def vol(base, tmp_path):
-    pair, home = base
-    mine = tmp_path / "home"
-    shutil.copytree(home, mine)
-    return pair, mine
-
-
-def _argv(pair, home, report, *extra):
-    return ["--home", str(home), "--target", str(pair.target_dir), "--parent", "v000001",
-            "--min-records", "20", "--report", str(report), "--epochs", "2", "--batch-size", "4",
-            "--anchors-per-seq", "4", "--head-steps", "2", "--ckpt-every", "2",
-            "--eval-max-new-tokens", "6", "--min-eval-records", "4", "--max-eval-records", "4",
-            "--threads", "1", "--quiet", *extra]
+_argv = job_argv
 
 
 def _drafter_version_spec(report: dict) -> dict:
@@ -113,13 +55,19 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     assert all(t >= 1.0 for t in report["eval"]["tau"].values())
     spec = _drafter_version_spec(report)
     assert spec["eval"]["tau"] == report["eval"]["tau"]
+    gate = report["eval"]["gate"]  # the job's decision and its numbers reach the operator
+    assert spec["eval"]["gate"] == gate and isinstance(gate["passed"], bool)
+    assert gate["reason"] in ("Passed", "NoGain", "DomainDrop") and gate["prompts"] == 4
+    assert set(gate["domains"]) == set(report["eval"]["tau"])
+    assert manifest_gate_matches(home, gate)
     assert spec["target"]["name"] == str(pair.target_dir)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
 
     manifest = verify_version(home, "v000002")
     assert latest_version(home) == "v000002" and manifest["parent"] == "v000001"
     assert manifest["training"]["traffic"]["new"] == N_TRAFFIC + N_SGLANG
-    assert manifest["training"]["length_head"]["steps"] == 2
+    head = manifest["training"]["length_head"]  # trained in the drafter's 10 steps
+    assert head["mode"] == "joint" and head["steps"] == 10
     calibration = manifest["training"]["length_head"]["calibration"]  # on the held-out slice
     assert calibration["blocks"] > 0 and isinstance(calibration["applied"], bool)
     assert manifest["eval"]["records_by_domain"]
@@ -135,7 +83,7 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC + N_SGLANG
     assert not (home / "distill" / "work").exists()
     # eval.tau and eval.parentTau are the two versions' engine tau on the same held-out records
-    assert report["eval"] == _recomputed_eval(pair, home)
+    assert {k: report["eval"][k] for k in ("tau", "parentTau")} == _recomputed_eval(pair, home)
 
     # Nothing new: no round, and the report says why (exit code 3: not a failure).
     assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 3
@@ -146,6 +94,15 @@ def test_round_publishes_and_reports_what_the_operator_accepts(vol, tmp_path, ca
     shutil.rmtree(home / "traffic" / "pod-b")
     assert distill.main(_argv(pair, home, report_path, "--parent", "v000002")) == 3
     assert len(Ledger(home / "distill" / "consumed.keys").load()) == N_TRAFFIC
+
+
+def manifest_gate_matches(home, gate) -> bool:
+    """The manifest keeps every prompt's numbers: the gate's decision can be recomputed."""
+    from training_job.opd.gate import GateConfig, decide
+
+    ev = verify_version(home, "v000002")["eval"]
+    again = decide(ev["per_prompt"]["candidate"], ev["per_prompt"]["parent"], GateConfig())
+    return ev["gate"] == again and {k: again[k] for k in gate} == gate
 
 
 def _recomputed_eval(pair, home) -> dict:
@@ -194,30 +151,30 @@ def test_too_few_records_is_a_report_not_a_failure_and_consumes_nothing(vol, tmp
 def test_failed_round_resumes_without_training_again(vol, tmp_path, monkeypatch):
     pair, home = vol
     report = tmp_path / "report"
-    real_publish = distill.publish
+    real_publish = round_mod.publish
 
     def broken(*a, **k):
         raise OSError("volume went away")
 
-    monkeypatch.setattr(distill, "publish", broken)
+    monkeypatch.setattr(round_mod, "publish", broken)
     assert distill.main(_argv(pair, home, report)) == 1
     assert "OSError: volume went away" in report.read_text()
     work = home / "distill" / "work"
     steps_logged = len((work / "log.jsonl").read_text().splitlines())
     assert steps_logged == 10 and (work / "eval.json").exists()
 
-    monkeypatch.setattr(distill, "publish", real_publish)
+    monkeypatch.setattr(round_mod, "publish", real_publish)
     import training_job.opd.evaluate as evaluate
 
     monkeypatch.setattr(evaluate, "engine_tau", lambda *a, **k: pytest.fail("evaluated again"))
-    real_finish = distill.finish
+    real_finish = round_mod.finish
     seen = {}
 
     def spy(home_, work_, version, args):
         seen["steps"] = len((work_ / "log.jsonl").read_text().splitlines())
         return real_finish(home_, work_, version, args)
 
-    monkeypatch.setattr(distill, "finish", spy)
+    monkeypatch.setattr(round_mod, "finish", spy)
     assert distill.main(_argv(pair, home, report)) == 0
     assert seen["steps"] == steps_logged  # resumed from the final checkpoint: no step again
     assert json.loads(report.read_text())["version"] == "v000002"
@@ -226,18 +183,18 @@ def test_failed_round_resumes_without_training_again(vol, tmp_path, monkeypatch)
 def test_crash_after_publishing_reports_the_same_version(vol, tmp_path, monkeypatch):
     pair, home = vol
     report = tmp_path / "report"
-    real = distill._write_json
+    real = round_mod._write_json
 
     def crash(path, obj):
         if path.name == "published.json":
             raise OSError("killed")
         real(path, obj)
 
-    monkeypatch.setattr(distill, "_write_json", crash)
+    monkeypatch.setattr(round_mod, "_write_json", crash)
     assert distill.main(_argv(pair, home, report)) == 1
     assert list_versions(home) == ["v000001", "v000002"]
     assert Ledger(home / "distill" / "consumed.keys").load() == set()
-    monkeypatch.setattr(distill, "_write_json", real)
+    monkeypatch.setattr(round_mod, "_write_json", real)
     assert distill.main(_argv(pair, home, report)) == 0
     assert list_versions(home) == ["v000001", "v000002"]  # not published twice
     assert json.loads(report.read_text())["version"] == "v000002"
@@ -247,7 +204,7 @@ def test_crash_after_publishing_reports_the_same_version(vol, tmp_path, monkeypa
 def test_changed_settings_start_the_round_over(vol, tmp_path, monkeypatch):
     pair, home = vol
     report = tmp_path / "report"
-    monkeypatch.setattr(distill, "publish", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    monkeypatch.setattr(round_mod, "publish", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
     assert distill.main(_argv(pair, home, report)) == 1
     first = json.loads((home / "distill" / "work" / "round.json").read_text())["id"]
     assert distill.main(_argv(pair, home, report, "--lr", "1e-4")) == 1
@@ -287,10 +244,10 @@ def test_tau_is_the_candidates_and_parent_tau_the_parents(vol, tmp_path, monkeyp
         return round(1.0 + float(state["fc.weight"].double().sum()) * 1000 % 7, 4)
 
     def fake(target, drafter, samples, **kw):
-        return {"code": {"tau": mark(drafter.state_dict()), "steps": 1, "tokens": 1,
-                         "requests": len(samples)}}
+        tokens = round(mark(drafter.state_dict()) * 10000)
+        return [[s.key, "code", tokens, 10000] for s in samples]
 
-    monkeypatch.setattr(evaluate, "engine_tau", fake)
+    monkeypatch.setattr(evaluate, "engine_results", fake)
     pair, home = vol
     report = tmp_path / "report"
     assert distill.main(_argv(pair, home, report, "--lr", "1e-2")) == 0
@@ -339,6 +296,6 @@ def test_loss_flag_reaches_the_manifest(vol, tmp_path, loss, name):
 def test_contradicting_loss_and_algorithm_are_refused(vol, tmp_path):
     pair, home = vol
     report = tmp_path / "report"
-    assert distill.main(_argv(pair, home, report, "--loss", "rkl", "--algorithm", "osd")) == 1
+    assert distill.main(_argv(pair, home, report, "--loss", "rkl", "--algorithm", "osd")) == 2
     assert "contradicts --loss rkl" in report.read_text()
     assert list_versions(home) == ["v000001"]

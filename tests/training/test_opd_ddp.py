@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -19,9 +20,13 @@ def _seqs():
             for _ in range(7)]  # batches of 3: the last one of each epoch leaves rank 1 idle
 
 
-def _cfg():
+def _cfg(**kw):
     return OPDConfig(epochs=2, batch_size=3, anchors_per_seq=3, seed=3, lr=3e-3, ckpt_every=2,
-                     tau=0.002)
+                     tau=0.002, **kw)
+
+
+#: The reference's step (per-sequence groups, joint head) and our earlier one.
+SETTINGS = [{}, {"scope": "batch", "head": "refit", "norm": "count"}]
 
 
 def _free_port() -> int:
@@ -30,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, work: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, work: str, out: str, kw: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -38,17 +43,18 @@ def _rank(rank: int, world: int, port: int, work: str, out: str) -> None:
                            world_size=world)
     try:
         drafter = tiny_drafter(seed=1)
-        stats = train_opd(tiny_target(seed=0).model, drafter, _seqs(), _cfg(), work)
+        stats = train_opd(tiny_target(seed=0).model, drafter, _seqs(), _cfg(**kw), work)
         torch.save({"state": drafter.state_dict(), "stats": stats}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_one_process(tmp_path):
+@pytest.mark.parametrize("kw", SETTINGS)
+def test_two_gloo_ranks_match_one_process(tmp_path, kw):
     single = tiny_drafter(seed=1)
-    want = train_opd(tiny_target(seed=0).model, single, _seqs(), _cfg(), tmp_path / "one")
+    want = train_opd(tiny_target(seed=0).model, single, _seqs(), _cfg(**kw), tmp_path / "one")
     out = str(tmp_path / "ddp.pt")
-    mp.start_processes(_rank, args=(2, _free_port(), str(tmp_path / "two"), out), nprocs=2,
+    mp.start_processes(_rank, args=(2, _free_port(), str(tmp_path / "two"), out, kw), nprocs=2,
                        start_method="spawn", join=True)
     for rank in (0, 1):
         got = torch.load(f"{out}.{rank}", weights_only=False)

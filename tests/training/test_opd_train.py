@@ -41,18 +41,46 @@ def target():
     return tiny_target(seed=0).model
 
 
-def test_round_lowers_the_loss_and_touches_only_drafter_layers(target, tmp_path):
+@pytest.mark.parametrize("head", ["joint", "refit"])
+def test_round_lowers_the_loss_and_touches_only_the_drafter(target, tmp_path, head):
+    """The target stays frozen; the length head trains in the same steps ("joint", the
+    reference's way) or is left for the refit after them ("refit")."""
     drafter = tiny_drafter(seed=1)
     before = _state(drafter)
     target_before = {k: v.clone() for k, v in target.state_dict().items()}
-    stats = train_opd(target, drafter, _seqs(), _cfg(epochs=6), tmp_path)
+    stats = train_opd(target, drafter, _seqs(), _cfg(epochs=6, head=head), tmp_path)
     assert stats["steps"] == 12 and stats["algorithm"] == "opd-rkl"
     assert stats["final_loss"] < stats["first_loss"]
     after = _state(drafter)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
-    assert changed and not any(k.startswith("thresh_head") for k in changed)
+    head_changed = any(k.startswith("thresh_head") for k in changed)
+    assert head_changed == (head == "joint")
+    assert ("length_head" in stats) == (head == "joint")
     assert "fc.weight" in changed and "layers.0.self_attn.q_proj.weight" in changed
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in target_before.items())
+
+
+def test_the_joint_head_reads_detached_states(target):
+    """The head's loss sends no gradient into the drafter (the reference trains it on detached
+    states), and the drafter's loss none into the head."""
+    from training_job.dflash_offline import position_weights
+    from training_job.opd.train import Parallel, step_loss
+
+    drafter = tiny_drafter(seed=1)
+    drafter.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    for p in drafter.parameters():
+        p.requires_grad_(True)
+    w = position_weights(drafter.config.block_size, 7.0)
+    for drafter_loss, head_loss in ((False, True), (True, False)):
+        drafter.zero_grad(set_to_none=True)
+        out = step_loss(target, drafter, _seqs(), [0, 1, 2], 0, _cfg(), w, 0, Parallel(),
+                        drafter_loss=drafter_loss, head_loss=head_loss)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in drafter.named_parameters()}
+        head_grad = [g for n, g in grads.items() if n.startswith("thresh_head")]
+        body_grad = [g for n, g in grads.items() if not n.startswith("thresh_head")]
+        assert all(g is not None for g in (head_grad if head_loss else body_grad))
+        assert all(g is None for g in (body_grad if head_loss else head_grad))
 
 
 def test_interrupted_round_resumes_to_the_same_weights(target, tmp_path):
@@ -145,12 +173,13 @@ def test_should_stop_checkpoints_and_the_round_resumes_to_the_same_weights(targe
 def test_head_is_refit_only_when_the_parent_has_one(target, tmp_path):
     with_head = tiny_drafter(seed=1)
     before = _state(with_head)
-    out = train_head(target, with_head, _seqs(), _cfg(), tmp_path / "a")
-    assert out["steps"] == 2
+    assert train_head(target, with_head, _seqs(), _cfg(), tmp_path / "j") is None  # joint
+    out = train_head(target, with_head, _seqs(), _cfg(head="refit"), tmp_path / "a")
+    assert out["steps"] == 2 and out["mode"] == "refit"
     assert not torch.equal(before["thresh_head_two_model.out.weight"],
                            with_head.state_dict()["thresh_head_two_model.out.weight"])
     plain = tiny_drafter(seed=1, head=False)
-    assert train_head(target, plain, _seqs(), _cfg(), tmp_path / "b") is None
+    assert train_head(target, plain, _seqs(), _cfg(head="refit"), tmp_path / "b") is None
     assert plain.length_head is None
 
 

@@ -49,6 +49,10 @@ def head_examples(target, drafter, seqs: list[dict], *, pad_id: int, anchors_per
         ids, lens, plens = collate(batch, pad_id)
         anchors = [sample_anchors(p, n, anchors_per_seq, rng) for p, n in zip(plens, lens)]
         blocks = make_blocks(ids, lens, anchors, dc.block_size, dc.mask_token_id)
+        device = drafter.fc.weight.device  # the blocks are built on the host
+        ids = ids.to(device)
+        blocks = type(blocks)(*(t.to(device) for t in (
+            blocks.seq_indices, blocks.input_ids, blocks.positions, blocks.labels, blocks.mask)))
         feats = target_features(target, ids, list(dc.target_layer_ids))
         hidden = drafter_forward(drafter, feats, blocks)
         acc = accept_lengths(drafter.logits(hidden).argmax(-1), blocks.labels)
@@ -56,7 +60,7 @@ def head_examples(target, drafter, seqs: list[dict], *, pad_id: int, anchors_per
         labels.append(length_label(acc, dc.block_size))
     if not scores:
         return torch.zeros(0), torch.zeros(0)
-    return torch.cat(scores), torch.cat(labels)
+    return torch.cat(scores).cpu(), torch.cat(labels).cpu()
 
 
 def fit_platt(score: torch.Tensor, label: torch.Tensor, iters: int = 100) -> tuple[float, float]:

@@ -20,10 +20,11 @@ from .traffic import Sample
 
 
 @torch.no_grad()
-def engine_tau(target_model, drafter, samples: list[Sample], *, max_new_tokens: int = 64,
-               max_prompt_len: int = 960, batch_size: int = 16, stop_ids=(),
-               seed: int = 0) -> dict[str, dict]:
-    """{domain: {"tau", "steps", "tokens", "requests"}} of ``drafter`` on ``samples``' prompts.
+def engine_results(target_model, drafter, samples: list[Sample], *, max_new_tokens: int = 64,
+                   max_prompt_len: int = 960, batch_size: int = 16, stop_ids=(),
+                   seed: int = 0) -> list[list]:
+    """[key, domain, committed tokens, decode steps] of ``drafter`` on each sample's prompt,
+    sorted by key: the per-prompt numbers the gate resamples.
 
     Each prompt decodes as many tokens as its served response had, at most ``max_new_tokens``.
     """
@@ -33,7 +34,7 @@ def engine_tau(target_model, drafter, samples: list[Sample], *, max_new_tokens: 
     from sglang_adaflash.target.hf_target import HFTarget
 
     if not samples:
-        return {}
+        return []
     target = HFTarget(target_model)
     was_training = drafter.training
     drafter.eval()
@@ -47,21 +48,38 @@ def engine_tau(target_model, drafter, samples: list[Sample], *, max_new_tokens: 
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
     engine = SpecEngine(target, drafter, mode="dflash", max_batch_size=batch_size,
                         max_seq_len=longest + 1, seed=seed)
-    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    rows = []
     for out in engine.run(requests):
         if not out.ok:
             raise RuntimeError(f"evaluation request {out.request_id} failed: {out.error}")
-        t = totals[out.domain]
-        t[0] += out.stats.committed_tokens
-        t[1] += out.stats.steps
-        t[2] += 1
+        rows.append([out.request_id, out.domain, out.stats.committed_tokens, out.stats.steps])
     drafter.train(was_training)
+    return sorted(rows)
+
+
+def summarise(rows: list[list]) -> dict[str, dict]:
+    """{domain: {"tau", "steps", "tokens", "requests"}} of :func:`engine_results` rows."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for _, domain, tokens, steps in rows:
+        t = totals[domain]
+        t[0] += tokens
+        t[1] += steps
+        t[2] += 1
     return {d: {"tau": tokens / steps if steps else 0.0, "steps": steps, "tokens": tokens,
                 "requests": n} for d, (tokens, steps, n) in sorted(totals.items())}
 
 
+def engine_tau(target_model, drafter, samples: list[Sample], **kw) -> dict[str, dict]:
+    """{domain: {"tau", "steps", "tokens", "requests"}} of ``drafter`` on ``samples``' prompts."""
+    return summarise(engine_results(target_model, drafter, samples, **kw))
+
+
 def taus(result: dict[str, dict]) -> dict[str, float]:
     return {d: round(v["tau"], 4) for d, v in result.items() if v["steps"]}
+
+
+def tau_by_domain(rows: list[list]) -> dict[str, float]:
+    return taus(summarise(rows))
 
 
 def mean_tau(t: dict[str, float]) -> float | None:

@@ -69,42 +69,47 @@ def _emit(line: dict) -> None:
     print(json.dumps(line, sort_keys=True), flush=True)
 
 
-def pending_records(home: Path, args) -> int:
+def pending_records(home: Path, args, *, vocab_size: int | None = None,
+                    target_digest: str | None = None) -> int:
     """New usable records the next round would select (the same rule as the round's own)."""
     from sglang_adaflash.serving.traffic import ReadReport
-    from training_job.distill import LEDGER_NAME
     from training_job.opd.traffic import Ledger, scan_traffic, select_round
+    from training_job.opd.workdir import LEDGER_NAME
 
     consumed = Ledger(home / "distill" / LEDGER_NAME).load()
-    sel = select_round(scan_traffic(home, ReadReport()), consumed, max_records=args.max_records,
-                       eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
-                       max_eval=args.max_eval_records)
+    sel = select_round(scan_traffic(home, ReadReport(), vocab_size=vocab_size,
+                                    target_digest=target_digest), consumed,
+                       max_records=args.max_records, eval_fraction=args.eval_fraction,
+                       min_eval=args.min_eval_records, max_eval=args.max_eval_records)
     return sel.usable
 
 
 def follow(args) -> int:
-    """Run rounds until a signal or ``--max-rounds``; returns the exit code (see distill.py)."""
-    from training_job.distill import (
+    """Run rounds until a signal or ``--max-rounds``; returns the exit code (see distill.py).
+
+    The arguments were checked already (``training_job.opd.options.check_arguments``)."""
+    from training_job.opd.report import write_report
+    from training_job.opd.round import (
+        resolve_parent,
+        resolve_target,
+        run_round,
+        target_identity,
+        target_vocab_size,
+        volume_lock,
+    )
+    from training_job.opd.train import Parallel, Stopped
+    from training_job.opd.workdir import (
         WORK_NAME,
         GateRejected,
         JobError,
         NotEnoughRecords,
         _one_line,
-        resolve_parent,
-        resolve_target,
-        run_round,
-        volume_lock,
+        report_failure,
     )
-    from training_job.opd.report import write_report
-    from training_job.opd.train import Parallel, Stopped
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         print("distill: error: --follow runs in one process; start one round per torchrun "
               "instead", file=sys.stderr)
-        return 2
-    if args.poll_interval < 0 or (args.max_rounds is not None and args.max_rounds < 1):
-        print("distill: error: --poll-interval must be >= 0 and --max-rounds >= 1",
-              file=sys.stderr)
         return 2
     home = Path(args.home)
     work = home / "distill" / WORK_NAME
@@ -117,10 +122,14 @@ def follow(args) -> int:
         try:
             with volume_lock(home / "distill"):
                 # bad input fails now, not after the first wait for traffic
-                resolve_parent(home, args.parent, resolve_target(args.target))
+                target_dir = resolve_target(args.target)
+                resolve_parent(home, args.parent, target_dir)
+                filters = {"vocab_size": target_vocab_size(target_dir),
+                           "target_digest": target_identity(target_dir, args.target)
+                           .get("config_digest")}
                 while not stop() and (args.max_rounds is None or rounds < args.max_rounds):
                     if not (work / "round.json").exists():
-                        n = pending_records(home, args)
+                        n = pending_records(home, args, **filters)
                         if n < args.min_records:
                             if n != last_seen:
                                 _log(f"waiting for traffic: {n} of {args.min_records} new "
@@ -157,13 +166,7 @@ def follow(args) -> int:
                     line["seconds"] = round(time.time() - t0, 1)
                     _emit(line)
         except (JobError, OSError, ValueError, RuntimeError) as e:
-            reason = _one_line(e)
-            if not isinstance(e, JobError):
-                reason = f"{type(e).__name__}: {reason}"
-            _log(f"error: {reason}")
-            if args.report:
-                with contextlib.suppress(OSError):
-                    write_report(args.report, f"distill: {reason}"[:4000].encode())
+            report_failure(e, prog="distill", rank=0, report=args.report)
             return 1
     why = f"{signal.Signals(stop.signal).name}" if stop() else f"--max-rounds {args.max_rounds}"
     _log(f"follow: stopped ({why}) after {rounds} round(s)")

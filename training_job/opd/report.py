@@ -20,6 +20,9 @@ from sglang_adaflash.fsio import atomic_path
 
 #: Kubernetes' limit on a termination message.
 MAX_REPORT_BYTES = 4096
+#: What of the gate's decision the report carries (the manifest keeps the per-prompt numbers).
+GATE_KEYS = ("passed", "reason", "message", "meanTau", "parentMeanTau", "gain", "gainLow",
+             "minGain", "confidence", "resamples", "prompts", "domains")
 #: ``outcome`` of a published round's report, and of a job with too few new records.
 OUTCOME_PUBLISHED = "Published"
 OUTCOME_NOT_ENOUGH = "NotEnoughRecords"
@@ -54,18 +57,24 @@ def build_report(manifest: dict[str, Any], *, target_name: str) -> dict[str, Any
              if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
         if m:
             e[dst] = m
+    gate = ev.get("gate")
+    if isinstance(gate, dict) and "passed" in gate:
+        e["gate"] = {k: gate[k] for k in GATE_KEYS if k in gate}
     if e:
         report["eval"] = e
     return report
 
 
 def idle_report(*, parent: str, usable: int, required: int, message: str,
-                created: str) -> dict[str, Any]:
+                created: str, skipped: dict[str, int] | None = None) -> dict[str, Any]:
     """The report of a job that found too few new records: no version, nothing published, and
-    nothing consumed. ``outcome`` tells the operator it is not a failure."""
+    nothing consumed. ``outcome`` tells the operator it is not a failure; ``skipped`` counts
+    the lines and records passed over, by reason (damaged, another target's, ...)."""
     report: dict[str, Any] = {"outcome": OUTCOME_NOT_ENOUGH, "created": created,
                               "records": {"usable": int(usable), "required": int(required)},
                               "message": message[:1000]}
+    if skipped:
+        report["skipped"] = {str(k): int(v) for k, v in sorted(skipped.items())}
     if parent:
         report["parent"] = parent
     return report
@@ -76,7 +85,8 @@ def encode_report(report: dict[str, Any], weight: dict[str, int] | None = None,
     """Compact JSON of at most ``limit`` bytes.
 
     With too many domains, the ones with the least held-out weight are dropped from both tau
-    maps (together, so the gate still compares like with like) until it fits.
+    maps and the gate's per-domain numbers (together, so the gate still compares like with
+    like) until it fits; the gate's decision itself always stays.
     """
     report = json.loads(json.dumps(report))
     data = json.dumps(report, separators=(",", ":")).encode()
@@ -85,11 +95,17 @@ def encode_report(report: dict[str, Any], weight: dict[str, int] | None = None,
                      key=lambda d: ((weight or {}).get(d, 0), d))
     while len(data) > limit and domains:
         drop = domains.pop(0)
-        for key in ("tau", "parentTau"):
-            (ev.get(key) or {}).pop(drop, None)
+        for part in (ev.get("tau"), ev.get("parentTau"), (ev.get("gate") or {}).get("domains")):
+            (part or {}).pop(drop, None)
+        data = json.dumps(report, separators=(",", ":")).encode()
+    if len(data) > limit and ev.get("gate"):
+        ev["gate"]["message"] = ev["gate"].get("message", "")[:200]
         data = json.dumps(report, separators=(",", ":")).encode()
     if len(data) > limit:
+        gate = (report.get("eval") or {}).get("gate") or {}
         report = {k: report[k] for k in ("outcome", "version", "parent") if k in report}
+        if gate:
+            report["eval"] = {"gate": {k: gate[k] for k in ("passed", "reason") if k in gate}}
         data = json.dumps(report, separators=(",", ":")).encode()
     return data
 

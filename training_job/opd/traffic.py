@@ -41,6 +41,11 @@ SGLANG_LOG_RE = re.compile(r"^[^.].*_\d+\.log(\.[0-9][0-9_-]*)?$")
 _SHARD_RE = re.compile(r"^\d{8}\.jsonl(\.partial)?$")
 #: A line of SGLang's text request log: it holds Python reprs, not ids we can trust.
 TEXT_FORMAT = "text_format"
+#: Records the training job cannot use for this target, skipped and counted like damaged lines:
+#: token ids at or past the target's vocabulary (another model's traffic on the volume), and
+#: records whose ``target_digest`` names another target's config.
+OUT_OF_VOCABULARY = "out_of_vocabulary"
+OTHER_TARGET = "other_target"
 #: Domain name for requests that carried no tag (an empty key would not survive Kubernetes).
 UNTAGGED = "untagged"
 FINISHED = "request.finished"
@@ -186,20 +191,54 @@ def traffic_sample(writer: str, record: dict[str, Any]) -> Sample:
                   float(temp) if isinstance(temp, (int, float)) else None)
 
 
-def scan_traffic(home: str | os.PathLike, report: ReadReport,
-                 include_partial: bool = True) -> Iterator[Sample]:
-    """Every usable record under `home/traffic/`, writer by writer, in file order."""
+def foreign(sample: Sample, digest: str | None, vocab_size: int | None,
+            target_digest: str | None) -> tuple[str, str] | None:
+    """(reason, detail) when ``sample`` belongs to another target, else None."""
+    if target_digest and digest and digest != target_digest:
+        return OTHER_TARGET, (f"served by target {digest[:12]}..., not this one "
+                              f"({target_digest[:12]}...)")
+    if vocab_size is not None:
+        top = max(max(sample.prompt_ids, default=0), max(sample.output_ids, default=0))
+        if top >= vocab_size:
+            return OUT_OF_VOCABULARY, (f"token id {top} is past the target's vocabulary of "
+                                       f"{vocab_size}: traffic of another model?")
+    return None
+
+
+def scan_traffic(home: str | os.PathLike, report: ReadReport, include_partial: bool = True,
+                 *, vocab_size: int | None = None,
+                 target_digest: str | None = None) -> Iterator[Sample]:
+    """Every usable record under `home/traffic/`, writer by writer, in file order.
+
+    With ``vocab_size`` and ``target_digest`` (the target's config digest), records of another
+    target are skipped into ``report`` (:data:`OUT_OF_VOCABULARY`, :data:`OTHER_TARGET`).
+    """
     root = Path(home) / "traffic"
     if not root.is_dir():
         return
+
+    def keep(sample: Sample, digest: str | None, where: str) -> bool:
+        bad = foreign(sample, digest, vocab_size, target_digest)
+        if bad is None:
+            return True
+        report.records -= 1
+        report.skip(where, *bad)
+        return False
+
     for wdir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         names = sorted(p.name for p in wdir.iterdir())
         if any(_SHARD_RE.match(n) for n in names):
             for rec in iter_records(wdir, include_partial=include_partial, report=report):
-                yield traffic_sample(wdir.name, rec)
+                sample = traffic_sample(wdir.name, rec)
+                digest = rec.get("target_digest")
+                if keep(sample, digest if isinstance(digest, str) else None,
+                        f"{wdir}: record {sample.id}"):
+                    yield sample
         for name in names:
             if SGLANG_LOG_RE.match(name):
-                yield from iter_sglang_log(wdir / name, wdir.name, report)
+                for sample in iter_sglang_log(wdir / name, wdir.name, report):
+                    if keep(sample, None, f"{wdir / name}: request {sample.id}"):
+                        yield sample
 
 
 class Ledger:

@@ -29,9 +29,11 @@ class NotEnoughRecords(JobError):
     """Too little new traffic: no round yet. Not a failure: the job writes a report with
     ``"outcome": "NotEnoughRecords"`` and exits ``--idle-exit-code``; ``--follow`` waits."""
 
-    def __init__(self, message: str, usable: int = 0, required: int = 0):
+    def __init__(self, message: str, usable: int = 0, required: int = 0,
+                 skipped: dict[str, int] | None = None):
         super().__init__(message)
         self.usable, self.required = usable, required
+        self.skipped = dict(skipped or {})  # lines and records passed over, by reason
 
 
 class GateRejected(JobError):
@@ -44,6 +46,29 @@ def _log(msg: str) -> None:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def report_failure(e: BaseException, *, prog: str, rank: int, report: str | None) -> None:
+    """A failed run's one-line reason: on stderr, and (rank 0) in the report file, which
+    Kubernetes shows as the termination message."""
+    import contextlib
+
+    from training_job.opd.report import write_report
+
+    reason = _one_line(e)
+    if not isinstance(e, JobError):
+        reason = f"{type(e).__name__}: {reason}"
+    print(f"{prog}: error: {reason}", file=sys.stderr, flush=True)
+    if rank == 0 and report:
+        with contextlib.suppress(OSError):
+            write_report(report, f"{prog}: {reason}"[:4000].encode())
+
+
+def leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _read_json(path: Path) -> Any:
@@ -59,25 +84,33 @@ def _write_json(path: Path, obj: Any) -> None:
     write_json_atomic(path, obj, sort_keys=True)
 
 
-def _fingerprint(args, cfg, parent: str, target: dict) -> dict[str, Any]:
-    """What a resumed round must share with the one that started (else it starts over)."""
+def _fingerprint(args, cfg, gate_cfg, parent: str, target: dict) -> dict[str, Any]:
+    """What a resumed round must share with the one that started (else it starts over): the
+    parent, the target, every training, selection, evaluation and gate setting."""
     c = asdict(cfg)
     c.pop("ckpt_every", None)
     return {"parent": parent, "target": target.get("config_digest"), "config": c,
             "selection": {"max_records": args.max_records, "eval_fraction": args.eval_fraction,
                           "min_eval": args.min_eval_records, "max_eval": args.max_eval_records},
-            "eval": {"max_new_tokens": args.eval_max_new_tokens}}
+            "eval": {"max_new_tokens": args.eval_max_new_tokens,
+                     "head_calibration": bool(args.head_calibration)},
+            "gate": asdict(gate_cfg)}
 
 
-def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) -> dict:
-    """Resume the round in ``work`` if it matches, else select a new one. Returns round.json."""
+def prepare_round(home: Path, work: Path, args, cfg, gate_cfg, parent: str, target: dict,
+                  vocab_size: int | None = None) -> dict:
+    """Resume the round in ``work`` if it matches, else select a new one. Returns round.json.
+
+    Records another target served (their ``target_digest`` differs from this target's) or
+    holding token ids at or past ``vocab_size`` are skipped and counted like damaged lines.
+    """
     from sglang_adaflash.serving.traffic import ReadReport
     from training_job.opd.traffic import Ledger, scan_traffic, select_round
 
-    fingerprint = _fingerprint(args, cfg, parent, target)
+    fingerprint = _fingerprint(args, cfg, gate_cfg, parent, target)
     state = _read_json(work / "round.json")
     if state is not None:
-        if state.get("fingerprint") == fingerprint or (work / "published.json").exists():
+        if state.get("fingerprint") == fingerprint:
             _log(f"resuming round {state['id']} in {work}")
             return state
         _log(f"discarding the unfinished round in {work}: it was started with other settings "
@@ -96,7 +129,9 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
             present.add(s.key)
             yield s
 
-    sel = select_round(seen(scan_traffic(home, report)), consumed, max_records=args.max_records,
+    sel = select_round(seen(scan_traffic(home, report, vocab_size=vocab_size,
+                                         target_digest=target.get("config_digest"))),
+                       consumed, max_records=args.max_records,
                        eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
                        max_eval=args.max_eval_records)
     dropped = ledger.retain(present)
@@ -104,15 +139,16 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
         _log(f"forgot {dropped} consumed keys whose records are no longer on the volume")
     _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
          f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
+    skipped = dict(sorted(report.skipped.items()))
     if sel.usable < args.min_records:
         raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under "
                                f"{home}/traffic (need --min-records {args.min_records}; "
                                f"{sel.new} new, {report.skipped_total} lines skipped)",
-                               sel.usable, args.min_records)
+                               sel.usable, args.min_records, skipped)
     if not sel.eval:
         raise NotEnoughRecords("no record left to hold out for the evaluation; lower "
                                "--min-eval-records or wait for more traffic", sel.usable,
-                               args.min_records)
+                               args.min_records, skipped)
     tmp = work.with_name(f".{work.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -126,7 +162,8 @@ def prepare_round(home: Path, work: Path, args, cfg, parent: str, target: dict) 
         "fingerprint": fingerprint,
         "traffic": {"new": sel.new, "train": len(sel.train), "eval": len(sel.eval),
                     "too_short": sel.too_short, "over_cap": sel.over_cap,
-                    "skipped_lines": report.skipped_total, "torn_lines": report.torn},
+                    "skipped_lines": report.skipped_total, "skipped": skipped,
+                    "torn_lines": report.torn},
     }
     _write_json(tmp / "round.json", state)
     for f in tmp.iterdir():

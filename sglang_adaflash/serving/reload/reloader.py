@@ -70,8 +70,12 @@ class HotReloader:
         require_manifest: bool = True,
         report_async: bool = True,
         target_dir: str | os.PathLike | None = None,
+        config_resolved: dict | None = None,
     ):
         self.source = source
+        # Config values the server resolved that a drafter may leave out (a string mask token's
+        # id, the target's layer count): see DrafterConfig.from_dict.
+        self.config_resolved = config_resolved
         self.target = target
         self.live_config = live_config
         self.group = group or SingleRank()
@@ -142,6 +146,7 @@ class HotReloader:
                 live_config=self.live_config,
                 require_manifest=self.require_manifest,
                 target_dir=self.target_dir,
+                config_resolved=self.config_resolved,
             )
         except ReloadError as e:
             self._rejected[version] = dir_signature(path)

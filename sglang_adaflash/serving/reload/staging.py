@@ -121,6 +121,7 @@ def stage_drafter(
     require_manifest: bool = True,
     pin_memory: bool | None = None,
     target_dir: str | os.PathLike | None = None,
+    config_resolved: dict | None = None,
 ) -> StagedDrafter:
     """Read and verify a published version; returns it in CPU memory in the live dtypes.
 
@@ -138,7 +139,7 @@ def stage_drafter(
             f"(set {ENV_REQUIRE_MANIFEST}=0 to allow unsigned directories)"
         )
     try:
-        config, state = read_checkpoint(path, verify_manifest=True)
+        config, state = read_checkpoint(path, verify_manifest=True, resolved=config_resolved)
         manifest = read_manifest(path) if has_manifest else None
     except (CheckpointError, ValueError) as e:
         raise ReloadError(f"drafter version {version} rejected: {e}") from None

@@ -122,6 +122,11 @@ class Elector:
             except kube.ApiError as e:
                 logger.warning(f"leader election: renewing failed: {e}")
                 ok = False
+            # A network or client failure (e.g. the client kopf's cleanup closed at shutdown) is
+            # a failed renewal too: never the end of renewing while the handlers go on.
+            except Exception as e:
+                logger.warning(f"leader election: renewing failed: {type(e).__name__}: {e}")
+                ok = False
             taken = bool(self._seen and self._seen[0] not in ("", self.cfg.identity))
             if ok:
                 last_ok = time.monotonic()

@@ -103,8 +103,10 @@ def test_a_canary_whose_acceptance_drops_is_rolled_back(chart, api: Api, namespa
         "v000002"
     assert reps[canary].update({c.LOADED_VERSION: "v000002", c.ACCEPTANCE_TAU: "2.0"})
     wait_for("RolledBack", lambda: dv_phase(api, ns, "v000002") == "RolledBack", timeout=60)
-    st = status(api, ns)
-    assert st["rollout"]["phase"] == "RolledBack" and st["rollout"]["reason"] == "LiveTauDrop"
+    # (The DrafterVersion is written before the pass saves the service's status.)
+    st = wait_for("status RolledBack", lambda: (x := status(api, ns)).get("rollout", {}).get(
+        "phase") == "RolledBack" and x, timeout=30)
+    assert st["rollout"]["reason"] == "LiveTauDrop"
     degraded = condition(api, ns, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "LiveTauDrop")
     assert fleet(api, ns) == "v000001"

@@ -22,7 +22,7 @@ from adaflash_operator import manifests
 from adaflash_operator.spec import parse
 from conftest import drop_namespace, install, new_namespace
 from controlplane import OPERATOR_SA, RELEASE, RELEASE_NS, Api, ApiError, wait_for
-from helpers import afs, condition, served, start_serving_pods, status
+from helpers import afs, condition, start_serving_pods, status, third_party_api
 
 pytestmark = pytest.mark.apiserver
 
@@ -102,20 +102,7 @@ def test_a_jobset_runs_as_the_services_jobs_account(chart, api: Api, namespace: 
     held to the pod-template rules of its Jobs: the JobSet the operator builds passes, one on
     another account or privileged does not."""
     ns = namespace
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    api.request("POST", crd, {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "jobsets.jobset.x-k8s.io"},
-        "spec": {"group": "jobset.x-k8s.io", "scope": "Namespaced",
-                 "names": {"kind": "JobSet", "plural": "jobsets", "singular": "jobset",
-                           "listKind": "JobSetList"},
-                 "versions": [{"name": "v1alpha2", "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": {
-                                   "type": "object",
-                                   "x-kubernetes-preserve-unknown-fields": True}}}]}})
-    try:
-        wait_for("JobSet's API served", lambda: served(api, "/apis/jobset.x-k8s.io/v1alpha2"),
-                 timeout=60)
+    with third_party_api(api, "jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets"):
         op = api.as_token(api.request_token(RELEASE_NS, OPERATOR_SA))
         spec = afs(ns, replicas=1, distillation={"nodes": 2})["spec"]
         owner = api.create(afs(ns, replicas=1, distillation={"nodes": 2}))
@@ -133,8 +120,6 @@ def test_a_jobset_runs_as_the_services_jobs_account(chart, api: Api, namespace: 
         _refused(lambda: op.create(variant("privileged", lambda p: p["containers"][0].update(
             securityContext={"privileged": True}))), "privileged")
         op.create(built)
-    finally:
-        api.request("DELETE", f"{crd}/jobsets.jobset.x-k8s.io")
 
 
 def _chart_pods(api: Api, ns: str, n: int) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 from adaflash_operator import contract as c
 from conftest import ROOT
 from controlplane import TOOLS, Api, wait_for
-from helpers import afs, condition, served, start_serving_pods
+from helpers import afs, condition, served, start_serving_pods, third_party_api
 
 pytestmark = pytest.mark.apiserver
 
@@ -78,19 +78,7 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": c.API_VERSION,
                                              "kind": c.SERVICE_KIND, "name": "qwen"}
     # KEDA appears (its CRD, as its chart installs it).
-    api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "scaledobjects.keda.sh"},
-        "spec": {"group": "keda.sh", "scope": "Namespaced",
-                 "names": {"kind": "ScaledObject", "plural": "scaledobjects",
-                           "singular": "scaledobject", "listKind": "ScaledObjectList"},
-                 "versions": [{"name": "v1alpha1", "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": {
-                                   "type": "object",
-                                   "x-kubernetes-preserve-unknown-fields": True}}}]}})
-    try:
-        wait_for("KEDA's API served", lambda: served(api, "/apis/keda.sh/v1alpha1"),
-                 timeout=60)
+    with third_party_api(api, "keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"):
         first.stop()  # discovery is cached for minutes: a fresh process looks again
         operator_process()
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {
@@ -106,9 +94,6 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
                  timeout=30)
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {"enabled": False}}})
         wait_for("the ScaledObject gone", lambda: not served(api, path), timeout=30)
-    finally:
-        api.request("DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                    "scaledobjects.keda.sh")
 
 
 def test_network_policy_of_the_serving_port(chart, api: Api, namespace: str,

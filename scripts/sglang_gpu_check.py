@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_adaflash.bench import gpu_check as gc
+from sglang_adaflash.fsio import write_json_atomic
 
 HERE = Path(__file__).resolve().parent
 EQUALITY_CONCURRENCY = (1, 16, 64)
@@ -595,9 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                                           seconds=round(elapsed, 1)))  # fmt: skip
     failed = [c["check"] for c in results["checks"] if not c["ok"]]
     results["ok"] = not failed
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2, default=str))
-    os.replace(tmp, out / "results.json")
+    write_json_atomic(out / "results.json", results, default=str)  # fsynced, renamed
     log(f"{'PASSED' if results['ok'] else 'FAILED ' + ', '.join(failed)}: {out / 'results.json'}")
     return 0 if results["ok"] else 1
 

@@ -52,10 +52,10 @@ SPEC_RULES = [
              "|| (!self.distillation.enabled && !self.retention.enabled && "
              "!(has(self.drafter) && has(self.drafter.bootstrap)))",
      "message": "storage.accessMode ReadWriteOncePod lets one pod mount the claim, and the "
-                "serving pod holds it (also while it waits for its drafter): distillation Jobs, "
-                "the retention CronJob and the bootstrap Job could never start. Use "
-                "ReadWriteOnce (they are placed on the serving pod's node) or ReadWriteMany, or "
-                "disable distillation and retention and seed the drafter by hand"},
+                "serving pod holds it: distillation Jobs, the bootstrap Job and the retention "
+                "CronJob could never start. Use ReadWriteOnce (they are placed on the serving "
+                "pod's node) or ReadWriteMany, or disable distillation and retention and drop "
+                "drafter.bootstrap"},
     {"rule": "has(self.storage.existingClaim) || self.storage.accessMode == 'ReadWriteMany' || "
              "self.serving.updateStrategy.type == 'Recreate' || "
              "string(self.serving.updateStrategy.maxSurge).matches('^0+%?$')",
@@ -75,7 +75,8 @@ SPEC_RULES = [
     MULTI_NODE_RULE,
     {"rule": "!has(self.drafter) || !has(self.drafter.bootstrap) || "
              "self.drafter.bootstrap.source != 'Import' || has(self.drafter.bootstrap.path)",
-     "message": "drafter.bootstrap.path: Import needs the checkpoint's directory on the claim"},
+     "message": "drafter.bootstrap.path must be set with source Import: the checkpoint's "
+                "directory on the claim"},
 ]
 # Deployment rules (apps/v1 validation) on serving.updateStrategy.
 # (The API server also checks them on the object's `{}` default, before nested defaults.)

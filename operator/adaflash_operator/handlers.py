@@ -172,7 +172,8 @@ async def _reconcile(body: kopf.Body, status: dict, patch: kopf.Patch,
         conds = set_condition(conds, "Ready", True, "ScaledToZero", "replicas is 0", now, gen)
     elif ready < s.replicas and any(p.waiting_for_drafter for p in infos):
         conds = _drafter_missing(body, conds, s, fleet, status, ready, now, gen)
-    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for
+    else:  # with what keeps pods from running, e.g. a surge pod no GPU is left for (the old
+        # pods may all be ready while it waits: Ready stays True and says why the rollout waits)
         why = children.serving_trouble(res.deployment, pods)
         msg = f"{ready}/{s.replicas} serving pods ready" + (f" ({why})" if why else "")
         conds = set_condition(conds, "Ready", ready >= s.replicas,

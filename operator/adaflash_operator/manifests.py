@@ -487,8 +487,8 @@ def _training_pod(name: str, spec: ServiceSpec, container: str, command: list[st
                   args: list[str], resources: dict, gpus: int,
                   claim_modes: list[str] | None) -> Manifest:
     """Pod spec of the Jobs that train (distillation, bootstrap): the shared volume, the
-    termination message as the report, no API token, their own ServiceAccount, the serving
-    pods' placement by default (placement.job_pod)."""
+    termination message as the report, no API token, the Jobs' account, pull secrets,
+    affinity and priority, the serving pods' placement by default."""
     d = spec.distillation
     pod_spec: Manifest = {
         "restartPolicy": "Never",
@@ -543,7 +543,8 @@ def job(owner: Manifest, spec: ServiceSpec, round_: int, attempt: int, parent: s
     """The distillation Job of a round: one pod (torchrun over its GPUs), or with
     ``distillation.nodes > 1`` an Indexed Job of that many pods whose torchruns meet at the
     first pod (c10d), found through the headless Service :func:`rendezvous_service` of the same
-    name; with ``jobset`` a JobSet instead, which makes its own headless Service."""
+    name; with ``jobset`` a JobSet instead, which makes its own headless Service. ``claim_modes``:
+    the shared claim's access modes as found (None: from the spec), for the placement."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
     jname = job_name(name, round_, attempt)
     d = spec.distillation

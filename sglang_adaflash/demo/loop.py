@@ -196,7 +196,7 @@ def run_loop(args) -> int:
             plain_url = plain.wait_for_line(r"listening on (http://\S+)", args.start_timeout).group(1)
             wait_ready(plain_url, args.start_timeout, plain)
             say(f"plain decoding (adaflash serve --mode ar, pid {plain.pid}) ready at {plain_url}: "
-                f"every {plan.baseline_every}. prompt is answered there too")
+                f"every {plan.baseline_every}. prompt of each domain is answered there too")
             distill = kids.start("distill", distill_argv(args, home, plan, out / "logs" / "distill-report.json"),
                                  out / "logs" / "distill.log", _child_env(home))
             say(f"distillation follower (pid {distill.pid}): a round per {plan.min_records} new records, "

@@ -168,10 +168,7 @@ def drop_namespace(api: cp.Api, name: str) -> None:
 
 @pytest.fixture()
 def namespace(api: cp.Api, request: pytest.FixtureRequest) -> Iterator[str]:
-    """The test's own namespace, `t-...`; parametrized (indirectly) with the prefix "held-",
-    one where kwok starts no pod, so the test plays the kubelet (a pod held in its init
-    container, say)."""
-    name = new_namespace(api, request.node.name, prefix=getattr(request, "param", "t-"))
+    name = new_namespace(api, request.node.name)
     yield name
     drop_namespace(api, name)
 

@@ -509,8 +509,6 @@ def _init_waiting(api: Api, ns: str, pod: dict) -> None:
         sub="status")
 
 
-# kwok would start the pod; here it stays in its init container.
-@pytest.mark.parametrize("namespace", ["held-"], indirect=True)
 def test_without_a_drafter_or_a_bootstrap_the_condition_says_what_to_do(
         chart, api: Api, namespace: str, operator_process) -> None:
     ns = namespace
@@ -526,8 +524,6 @@ def test_without_a_drafter_or_a_bootstrap_the_condition_says_what_to_do(
     assert status(api, ns)["pods"][0]["waitingForDrafter"] is True
 
 
-# kwok would start the pod; here it stays in its init container.
-@pytest.mark.parametrize("namespace", ["held-"], indirect=True)
 def test_the_bootstrap_job_makes_the_first_drafter_before_the_pods_start(
         chart, api: Api, namespace: str, operator_process) -> None:
     ns = namespace

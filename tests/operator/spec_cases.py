@@ -31,14 +31,14 @@ REFUSED = [
      "must not exceed autoscaling.maxReplicas"),
     ({"distillation": {"backoffSeconds": 100, "maxBackoffSeconds": 10}},
      "maxBackoffSeconds must be >="),
+    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOncePod"}, **RWOP_JOBS_OFF,
+      "drafter": {"bootstrap": {"source": "Train"}}}, "ReadWriteOncePod lets one pod"),
+    ({"distillation": {"nodes": 2}, "storage": {"accessMode": "ReadWriteOnce"}},
+     "distillation.nodes > 1"),
+    ({"drafter": {"bootstrap": {"source": "Import"}}}, "bootstrap.path must be set"),
     ({"storage": {"size": "0Gi"}}, "storage.size"),
     ({"retention": {"schedule": "daily"}}, "retention.schedule"),
     ({"storage": {"existingClaim": "Not_A_Name"}}, "existingClaim"),
-    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"}, "distillation": {"nodes": 2}},
-     "distillation.nodes > 1"),
-    ({"replicas": 1, "storage": {"accessMode": "ReadWriteOncePod"}, **RWOP_JOBS_OFF,
-      "drafter": {"bootstrap": {"source": "Train"}}}, "ReadWriteOncePod lets one pod"),
-    ({"drafter": {"bootstrap": {"source": "Import"}}}, "Import needs the checkpoint"),
 ]
 
 # Close to a refused one, and fine.
@@ -54,9 +54,10 @@ ACCEPTED = [
     {"retention": {"schedule": "@daily"}},
     {"storage": {"size": "0.5Ti"}},
     {"distillation": {"nodes": 2}},
+    {"distillation": {"nodes": 2}, "storage": {"existingClaim": "nfs"}},
+    {"drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}},
     {"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"},
      "drafter": {"bootstrap": {"source": "Train"}}},
-    {"drafter": {"bootstrap": {"source": "Import", "path": "imports/dflash"}}},
 ]
 
 

@@ -65,14 +65,22 @@ PLACED = {"image": "i", "nodeSelector": {"gpu": "h100"}, "imagePullSecrets": ["r
 
 
 def test_jobs_and_cronjob_run_as_their_own_account_with_the_serving_placement() -> None:
-    s = parse({**MIN, "serving": PLACED, "distillation": {"priorityClassName": "batch"}})
+    s = parse({**MIN, "serving": PLACED, "distillation": {"priorityClassName": "batch"},
+               "drafter": {"bootstrap": {"source": "Train"}}})
     dep = manifests.deployment(OWNER, s)["spec"]["template"]["spec"]
     assert dep["imagePullSecrets"] == [{"name": "regcred"}]
     assert dep["priorityClassName"] == "inference" and dep["affinity"] == PLACED["affinity"]
     job = manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
     cron = manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
         "spec"]
-    for pod in (job, cron):
+    boot = manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
+    # Every Job shape: an Indexed Job over several nodes, and each pod of a JobSet.
+    multi = parse({**MIN, "serving": PLACED, "distillation": {"priorityClassName": "batch",
+                                                              "nodes": 2}})
+    indexed = manifests.job(OWNER, multi, 1, 1, "v000001")["spec"]["template"]["spec"]
+    jobset = manifests.job(OWNER, multi, 1, 1, "v000001", jobset=True)["spec"][
+        "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    for pod in (job, cron, boot, indexed, jobset):
         assert pod["serviceAccountName"] == "qwen-jobs"
         assert pod["automountServiceAccountToken"] is False
         assert pod["imagePullSecrets"] == [{"name": "regcred"}]
@@ -84,11 +92,13 @@ def test_jobs_and_cronjob_run_as_their_own_account_with_the_serving_placement() 
 
 @pytest.mark.parametrize("mode", ["ReadWriteOnce"])
 def test_a_single_node_claim_puts_the_jobs_on_the_serving_pods_node(mode: str) -> None:
-    s = parse({**MIN, "serving": PLACED, "storage": {"accessMode": mode}})
+    s = parse({**MIN, "serving": PLACED, "storage": {"accessMode": mode},
+               "drafter": {"bootstrap": {"source": "Import", "path": "seed"}}})
     job = manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
     cron = manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
         "spec"]
-    for pod in (job, cron):
+    boot = manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
+    for pod in (job, cron, boot):
         (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term == {"labelSelector": {"matchLabels": SERVING},
                         "topologyKey": "kubernetes.io/hostname"}

@@ -164,12 +164,12 @@ def test_equality_and_ratios():
 # -- the whole script, dry -------------------------------------------------------------------
 
 
-def dry_run(tmp_path: Path, fault: str = "") -> tuple[int, dict]:
+def dry_run(tmp_path: Path, fault: str = "", min_ratio: float = 0.6) -> tuple[int, dict]:
     env = dict(os.environ, GPU_CHECK_STUB_FAULT=fault, PYTHONPATH=str(ROOT))
     out = tmp_path / "gpu-check"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--requests", "16",
-         "--max-new-tokens", "16", "--samples", "256", "--min-throughput-ratio", "0.6"],
+         "--max-new-tokens", "16", "--samples", "256", "--min-throughput-ratio", str(min_ratio)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert (out / "results.json").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -181,7 +181,10 @@ def by_name(results: dict) -> dict[str, dict]:
 
 
 def test_dry_run_passes_end_to_end(tmp_path):
-    rc, results = dry_run(tmp_path)
+    # Any throughput ratio passes here: the stub servers' wall-clock speed on a shared CPU is
+    # noise (a ratio of 0.43 between two equal stubs was seen under load); the ratios' judgement
+    # is tested above, and the broken run below checks that a 4x slower server fails it.
+    rc, results = dry_run(tmp_path, min_ratio=0.0)
     checks = by_name(results)
     assert rc == 0 and results["ok"], [c for c in results["checks"] if not c["ok"]]
     names = ["dflash", "adaflash-compact", "adaflash-cap", "adaflash-fixed",
@@ -197,7 +200,9 @@ def test_dry_run_passes_end_to_end(tmp_path):
     reload = checks["hot_reload_under_load_adaflash-compact"]
     assert reload["acceptance"]["bad"] < reload["acceptance"]["original"]
     assert {r["concurrency"] for r in results["ratios"]} == {1, 32, 64}
-    assert results["thresholds"]["min_throughput_ratio"] == 0.6
+    assert results["thresholds"]["min_throughput_ratio"] == 0.0
+    assert all(f"throughput_{r['adaflash']}_vs_dflash_c{r['concurrency']}" in checks
+               for r in results["ratios"])  # fmt: skip
     assert "t0_equal_plain_c64_vs_c1" in checks
     assert results["compact_backends"] == ["fa3", "flashinfer", "triton"]
     assert checks["adaflash-compact-flashinfer_verify_runs_eagerly"]["ok"]

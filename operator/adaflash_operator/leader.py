@@ -71,6 +71,7 @@ class Elector:
                 if e.status == 409:
                     return False
                 raise
+            self._wrote(now)
             return True
         spec = live.get("spec") or {}
         holder = spec.get("holderIdentity") or ""
@@ -92,7 +93,13 @@ class Elector:
             if e.status in (404, 409):  # someone else wrote it first: look again
                 return False
             raise
+        self._wrote(now)
         return True
+
+    def _wrote(self, renew_time: str) -> None:
+        """The record is now ours: a renewal that fails next must not take the previous
+        holder, last seen before this write, for a new one."""
+        self._seen, self._seen_at = (self.cfg.identity, renew_time), time.monotonic()
 
     async def acquire(self) -> None:
         """Wait until this replica holds the Lease."""

@@ -90,6 +90,7 @@ def cross_field_problems(spec: dict) -> list[str]:
         single and di["nodes"] > 1,
         boot is not None and boot["source"] == "Import" and not boot.get("path"),
     ]
+    assert len(broken) == len(crds.SPEC_RULES)
     out = [f"spec: {r['message']}" for r, bad in zip(crds.SPEC_RULES, broken) if bad]
     for rule, bad in zip(crds.ROLLING_RULES, [
         not (us["maxSurge"] >= 0 if isinstance(us["maxSurge"], int)

@@ -344,6 +344,7 @@ class Api:
         "ReplicaSet": "/apis/apps/v1/namespaces/{ns}/replicasets",
         "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
         "CronJob": "/apis/batch/v1/namespaces/{ns}/cronjobs",
+        "JobSet": "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets",
         "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
         "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
         "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",

@@ -4,10 +4,12 @@ write what their containers would)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 from adaflash_operator import contract as c
-from controlplane import Api, wait_for
+from controlplane import Api, ApiError, wait_for
 
 IMAGE = "registry.example/adaflash-sglang:0.1"
 
@@ -58,6 +60,39 @@ def serving_pods(api: Api, ns: str, name: str = "qwen") -> list[dict]:
     return [p for p in api.list("Pod", ns, {c.LABEL_SERVICE: name,
                                             c.LABEL_COMPONENT: "serving"})
             if not p["metadata"].get("deletionTimestamp")]
+
+
+def served(api: Api, path: str) -> bool:
+    """Whether GET `path` answers (an API group served, an object there)."""
+    try:
+        api.request("GET", path)
+        return True
+    except ApiError:
+        return False
+
+
+@contextlib.contextmanager
+def third_party_api(api: Api, group: str, version: str, kind: str,
+                    plural: str) -> Iterator[None]:
+    """Someone else's API served for the block (its CRD, without a schema, as its own chart
+    would install it; e.g. KEDA's ScaledObject), gone after it."""
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    api.request("POST", crds, {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {"group": group, "scope": "Namespaced",
+                 "names": {"kind": kind, "plural": plural, "singular": kind.lower(),
+                           "listKind": f"{kind}List"},
+                 "versions": [{"name": version, "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {
+                                   "type": "object",
+                                   "x-kubernetes-preserve-unknown-fields": True}}}]}})
+    try:
+        wait_for(f"{group}/{version} served", lambda: served(api, f"/apis/{group}/{version}"),
+                 timeout=60)
+        yield
+    finally:
+        api.request("DELETE", f"{crds}/{plural}.{group}")
 
 
 def node_prefix(ns: str) -> str:

@@ -45,16 +45,15 @@ def _publish(api: Api, ns: str, pods: list[dict], rep: str, job: str = "qwen-dis
 
 def test_an_evicted_canary_is_replaced_under_the_pdb(chart, api: Api, namespace: str,
                                                      gpu_pool, operator_process) -> None:
-    """A drain cordons the node and evicts the canary pod (the eviction API, which honours the
+    """A drain of the canary pod's node (cordon, then the eviction API, which honours the
     PodDisruptionBudget): no verdict on the version; another pod becomes the canary and the
-    version is promoted. A second eviction while the replacement cannot be ready yet (the node
-    is cordoned) is refused by the budget."""
+    version is promoted. A second eviction while the replacement waits (the GPU pool is full,
+    the drained node cordoned) is refused by the budget."""
     ns = namespace
-    where = gpu_pool(nodes=1, gpus=0)  # a node of this test's own, so it can cordon it
-    (node,) = [n["metadata"]["name"] for n in api.list("Node", "", {"pool": ns})]
+    where = gpu_pool(nodes=3, gpus=1)
     operator_process()
     # One canary of three pods: ceil(0.3 * 3) = 1.
-    api.create(afs(ns, replicas=3, serving=where,
+    api.create(afs(ns, replicas=3, serving={**where, "gpus": 1},
                    rollout={"canaryFraction": 0.3, "bakeSeconds": 2}))
     pods = start_serving_pods(api, ns, 3)
     pdb = wait_for("the PodDisruptionBudget's status", lambda: (
@@ -65,15 +64,16 @@ def test_an_evicted_canary_is_replaced_under_the_pdb(chart, api: Api, namespace:
     st = wait_for("the canary", lambda: (x := status(api, ns).get("rollout") or {}).get(
         "phase") == "Canary" and x, timeout=60)
     (first,) = st["canaryPods"]
-    # Cordoned first, as `kubectl drain` does: the replacement the ReplicaSet makes stays
-    # Pending, so the budget cannot have been refilled by a replacement kwok readied at once.
-    api.patch("Node", "", node, {"spec": {"unschedulable": True}})
+    drained = api.get("Pod", ns, first)["spec"]["nodeName"]
+    api.request("PATCH", f"/api/v1/nodes/{drained}", {"spec": {"unschedulable": True}},
+                "application/merge-patch+json")
     _evict(api, ns, first)
     other = next(p["metadata"]["name"] for p in pods if p["metadata"]["name"] != first)
     with pytest.raises(ApiError) as refused:  # one pod down already: the budget says no
         _evict(api, ns, other)
     assert refused.value.status == 429 and "disruption budget" in refused.value.message
-    api.patch("Node", "", node, {"spec": {"unschedulable": False}})
+    api.request("PATCH", f"/api/v1/nodes/{drained}", {"spec": {"unschedulable": False}},
+                "application/merge-patch+json")
     st = wait_for("the canary on another pod", lambda: (x := status(api, ns).get(
         "rollout") or {}).get("reason") == "CanaryPodReplaced" and x, timeout=60)
     assert st["phase"] == "Canary" and st["canaryPods"] != [first]
@@ -103,8 +103,10 @@ def test_a_canary_whose_acceptance_drops_is_rolled_back(chart, api: Api, namespa
         "v000002"
     assert reps[canary].update({c.LOADED_VERSION: "v000002", c.ACCEPTANCE_TAU: "2.0"})
     wait_for("RolledBack", lambda: dv_phase(api, ns, "v000002") == "RolledBack", timeout=60)
-    st = status(api, ns)
-    assert st["rollout"]["phase"] == "RolledBack" and st["rollout"]["reason"] == "LiveTauDrop"
+    # (The DrafterVersion is written before the pass saves the service's status.)
+    st = wait_for("status RolledBack", lambda: (x := status(api, ns)).get("rollout", {}).get(
+        "phase") == "RolledBack" and x, timeout=30)
+    assert st["rollout"]["reason"] == "LiveTauDrop"
     degraded = condition(api, ns, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "LiveTauDrop")
     assert fleet(api, ns) == "v000001"

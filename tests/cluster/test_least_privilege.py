@@ -3,8 +3,9 @@ operator replicas on one Lease (marker `apiserver`).
 
 - The operator's own token (the chart's ServiceAccount) cannot write outside what it manages:
   not a Deployment in kube-system, not an unlabelled object next to its AdaFlashService, not a
-  pod template running as another account or privileged, not a broader Role, not a pod's
-  labels (the chart's operatorGuard policy), while it can write its own children.
+  pod template (a JobSet's included) running as another account or privileged, not a broader
+  Role, not a pod's labels (the chart's operatorGuard policy), while it can write its own
+  children.
 - The chart's default (every namespace, a ClusterRole) and `watchNamespaces` (Roles in the
   named namespaces) each run the operator exactly as the chart's Deployment does: its command,
   arguments and environment, a token bound to its pod, leader election on.
@@ -18,9 +19,10 @@ import time
 import pytest
 from adaflash_operator import contract as c
 from adaflash_operator import manifests
+from adaflash_operator.spec import parse
 from conftest import drop_namespace, install, new_namespace
 from controlplane import OPERATOR_SA, RELEASE, RELEASE_NS, Api, ApiError, wait_for
-from helpers import afs, condition, start_serving_pods, status
+from helpers import afs, condition, start_serving_pods, status, third_party_api
 
 pytestmark = pytest.mark.apiserver
 
@@ -93,6 +95,31 @@ def test_the_operators_token_writes_only_what_it_manages(chart, api: Api,
     # Nobody else is held to it: the admin's writes, the controllers' (the namespace's default
     # ServiceAccount came).
     api.patch("ConfigMap", ns, "users-config", {"data": {"a": "3"}})
+
+
+def test_a_jobset_runs_as_the_services_jobs_account(chart, api: Api, namespace: str) -> None:
+    """Where the cluster serves JobSet (multi-node distillation), the operator's JobSets are
+    held to the pod-template rules of its Jobs: the JobSet the operator builds passes, one on
+    another account or privileged does not."""
+    ns = namespace
+    with third_party_api(api, "jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets"):
+        op = api.as_token(api.request_token(RELEASE_NS, OPERATOR_SA))
+        spec = afs(ns, replicas=1, distillation={"nodes": 2})["spec"]
+        owner = api.create(afs(ns, replicas=1, distillation={"nodes": 2}))
+        built = manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
+        assert built["kind"] == "JobSet"
+
+        def variant(name: str, change) -> dict:
+            js = manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
+            js["metadata"]["name"] = name
+            change(js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
+            return js
+
+        _refused(lambda: op.create(variant("as-default", lambda p: p.update(
+            serviceAccountName="default"))), "own accounts")
+        _refused(lambda: op.create(variant("privileged", lambda p: p["containers"][0].update(
+            securityContext={"privileged": True}))), "privileged")
+        op.create(built)
 
 
 def _chart_pods(api: Api, ns: str, n: int) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 from adaflash_operator import contract as c
 from conftest import ROOT
 from controlplane import TOOLS, Api, wait_for
-from helpers import afs, condition, start_serving_pods
+from helpers import afs, condition, served, start_serving_pods, third_party_api
 
 pytestmark = pytest.mark.apiserver
 
@@ -78,25 +78,13 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": c.API_VERSION,
                                              "kind": c.SERVICE_KIND, "name": "qwen"}
     # KEDA appears (its CRD, as its chart installs it).
-    api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "scaledobjects.keda.sh"},
-        "spec": {"group": "keda.sh", "scope": "Namespaced",
-                 "names": {"kind": "ScaledObject", "plural": "scaledobjects",
-                           "singular": "scaledobject", "listKind": "ScaledObjectList"},
-                 "versions": [{"name": "v1alpha1", "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": {
-                                   "type": "object",
-                                   "x-kubernetes-preserve-unknown-fields": True}}}]}})
-    try:
-        wait_for("KEDA's API served", lambda: _served(api, "/apis/keda.sh/v1alpha1"),
-                 timeout=60)
+    with third_party_api(api, "keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"):
         first.stop()  # discovery is cached for minutes: a fresh process looks again
         operator_process()
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {
             "prometheusAddress": "http://prometheus.monitoring:9090"}}})
         path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/qwen"
-        so = wait_for("the ScaledObject", lambda: _served(api, path) and api.request(
+        so = wait_for("the ScaledObject", lambda: served(api, path) and api.request(
             "GET", path), timeout=60)
         (trig,) = so["spec"]["triggers"]
         assert trig["metadata"]["query"] == \
@@ -105,20 +93,7 @@ def test_autoscaling_on_queue_depth(chart, api: Api, namespace: str, control_pla
         wait_for("the HPA gone", lambda: api.get("HorizontalPodAutoscaler", ns, "qwen") is None,
                  timeout=30)
         api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"autoscaling": {"enabled": False}}})
-        wait_for("the ScaledObject gone", lambda: not _served(api, path), timeout=30)
-    finally:
-        api.request("DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                    "scaledobjects.keda.sh")
-
-
-def _served(api: Api, path: str) -> bool:
-    from controlplane import ApiError
-
-    try:
-        api.request("GET", path)
-        return True
-    except ApiError:
-        return False
+        wait_for("the ScaledObject gone", lambda: not served(api, path), timeout=30)
 
 
 def test_network_policy_of_the_serving_port(chart, api: Api, namespace: str,

@@ -53,6 +53,7 @@ ACCEPTED = [
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"retention": {"schedule": "@daily"}},
     {"storage": {"size": "0.5Ti"}},
+    {"distillation": {"nodes": 2}},
     {"distillation": {"nodes": 2}, "storage": {"existingClaim": "nfs"}},
     {"drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}},
     {"replicas": 1, "storage": {"accessMode": "ReadWriteOnce"},

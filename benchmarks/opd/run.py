@@ -401,6 +401,8 @@ def goals(res: dict) -> dict:
     out["code_within_5pct"] = out["code_ratio"] >= 0.95
     out["prose_within_5pct"] = out["prose_ratio"] >= 0.95
     out["rounds_within_10_min"] = out["max_round_seconds"] <= 600
+    # issue 41's reading of the spread: no higher after the last round than before the shift
+    out["cv_not_above_start"] = last["cv"] <= p["cv"]
     out["head_pearson_ge_0_7"] = (head.get("pearson") or 0) >= 0.7
     out["head_mae_le_0_05"] = head.get("mae") is not None and head["mae"] <= 0.05
     abl = {arm: rows[-1]["heldout"]["tau"]["math"] for arm, rows in res["ablation"].items()

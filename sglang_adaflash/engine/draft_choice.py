@@ -97,8 +97,9 @@ class DraftChoice:
             draw = self.posterior.sample(slots, self.explore_gen)
         else:
             draw = rate
+        per_slot = self.posterior.per_slot(slots, draw, self.block_size - 1)  # the domain's profile along the block
         lens = plan_lengths(
-            draw, self.block_size, cost.plan_cost(),
+            per_slot, self.block_size, cost.plan_cost(),
             min_len=self.min_len, cap=cap.to(self.device), allow_off=(~force).to(self.device),
         )
         self.lengths, self.rate = lens.cpu(), rate

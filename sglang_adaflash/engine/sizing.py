@@ -47,6 +47,7 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         ids = torch.zeros(1, t, dtype=torch.long, device=engine.device)
         batch = TargetBatch(ids, torch.zeros(1, dtype=torch.long, device=engine.device), torch.tensor([t], device=engine.device))
         best = float("inf")
+        target.forward(batch, scratch)  # untimed: a cold first forward (allocations, caches) is no step's cost
         for _ in range(repeats):
             t0 = synced_time(engine.device)
             target.forward(batch, scratch)
@@ -62,6 +63,7 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         for n in (1, wide):
             zero = torch.zeros(n, dtype=torch.long, device=engine.device)
             best = float("inf")
+            engine.proposer.propose(zero, zero, None, slots=list(range(n)))  # untimed, as above
             for _ in range(repeats):
                 t0 = synced_time(engine.device)
                 hidden = engine.proposer.propose(zero, zero, None, slots=list(range(n)))
@@ -72,6 +74,8 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         per_draft = max((draft_times[1] - draft_times[0]) / max(wide - 1, 1), 0.0)
         draft_fixed = max(draft_times[0] - per_draft, 0.0)
         head_times = []
+        engine.proposer.proposal_logits(hidden[:1], torch.zeros(64, dtype=torch.long, device=engine.device),
+                                        torch.ones(64, dtype=torch.long, device=engine.device))  # untimed
         for n in (4, 64):
             rows = torch.zeros(n, dtype=torch.long, device=engine.device)
             t0 = synced_time(engine.device)

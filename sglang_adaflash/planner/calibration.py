@@ -26,6 +26,13 @@ one pool.
 Before drafting there is no fresh head reading; :meth:`estimate` gives the planner r alone, which
 decides whether drafting the request is worth its cost at all.
 
+Profile along the block. One rate per request overrates the tail of a chain: on the embedded
+pair a proposal is accepted 69% of the time at the first slot once reached, 49% at the third
+and 23% at the fifth, so a plan priced with one rate verifies slots that rarely pay. Each domain
+therefore also keeps, per slot, how often a reached proposal was accepted (discounted like the
+domain counts); :meth:`per_slot` scales a request's rate by its domain's profile relative to
+the domain's mean (a flat profile, or no evidence yet, leaves the rate as it is).
+
 All state lives in tensors indexed by cache slot on the engine's device; every method is a few
 vector operations with no host synchronisation.
 """
@@ -53,6 +60,9 @@ class SurvivalPosterior:
         head_weight: float = 1.0,
         domain_weight: float = 6.0,
         max_domains: int = 256,
+        max_block: int = 64,
+        profile_weight: float = 2.0,
+        profile_decay: float = 0.998,
     ):
         self.decay, self.domain_decay = decay, domain_decay
         self.head_weight, self.domain_weight = head_weight, domain_weight
@@ -60,6 +70,9 @@ class SurvivalPosterior:
         self.counts = torch.zeros(num_slots, 3, **z)  # per slot: S, F, H
         self.domain_counts = torch.zeros(max_domains, 3, **z)
         self.slot_domain = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # per domain and proposal slot: accepted, reached (the proposals before it were accepted)
+        self.slot_counts = torch.zeros(max_domains, max_block, 2, **z)
+        self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
 
     def domain_id(self, domain: str | None) -> int:
@@ -80,6 +93,7 @@ class SurvivalPosterior:
         one's proposals did says little about the new one's). Slots keep their domains."""
         self.counts.zero_()
         self.domain_counts.zero_()
+        self.slot_counts.zero_()
 
     def move(self, src: int, dst: int) -> None:
         self.counts[dst] = self.counts[src]
@@ -148,3 +162,21 @@ class SurvivalPosterior:
         self.counts[slots] = self.counts[slots] * keep + obs
         self.domain_counts.mul_(self.domain_decay)
         self.domain_counts.index_add_(0, self.slot_domain[slots], obs)
+        # the profile: proposal slot j was reached if j <= n, accepted if j < n (j < cand)
+        j = torch.arange(self.slot_counts.shape[1], device=n.device)[None]
+        reached = ((j <= n[:, None]) & (j < cand[:, None])).float()
+        accepted = (j < n[:, None]).float() * reached
+        self.slot_counts.mul_(self.profile_decay)
+        self.slot_counts.index_add_(0, self.slot_domain[slots], torch.stack([accepted, reached], dim=2))
+
+    def per_slot(self, slots: torch.Tensor, rate: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, width]: each slot's rate for these cache slots, rate [n] scaled by the domain's
+        profile (slot j's acceptance once reached, over the domain's mean over reached slots)."""
+        c = self.slot_counts[self.slot_domain[slots], :width]  # [n, width, 2]
+        acc, reached = c[..., 0], c[..., 1]
+        mean = acc.sum(1) / reached.sum(1).clamp(min=_EPS)  # [n]
+        k = self.profile_weight
+        prof = (acc + k * mean[:, None]) / (reached + k)
+        shape = torch.where(reached.sum(1, keepdim=True) > 0.5, prof / mean.clamp(min=_EPS)[:, None],
+                            torch.ones_like(prof))
+        return (rate.float()[:, None] * shape).clamp(0.0, 1 - _EPS)

@@ -22,8 +22,9 @@ L maximising E[tau | L] - lambda * cost_i(L); lambda is then set to the plan's v
 decreases and stops at the optimum after a few rounds. `draft_fixed` is shared by the whole batch,
 so the best plan that drafts (charged it) is compared with the plan that drafts nobody.
 
-Everything stays on the tensors' device: on an accelerator the rounds run a fixed number of times
-with no host synchronisation; on CPU (where a sync is free) they stop once lambda settles.
+On an accelerator everything stays on the tensors' device and the rounds run a fixed number of
+times with no host synchronisation; on a CPU (where a read is free) they run in numpy, whose calls
+cost a tenth of torch's on tensors this small, and stop once lambda settles.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 LENGTH_RULES = ("load_aware", "paper")
@@ -81,9 +83,16 @@ def expected_tau(survival: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _gains(survival: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[bs, B]: column L-1 holds E[tau | L]."""
+    """[bs, B]: column L-1 holds E[tau | L].
+
+    survival [bs]: one rate for every proposal (the geometric process); or [bs, B-1]: proposal
+    j's own chance to be accepted once those before it were (see :func:`plan_lengths`)."""
+    a = survival.float().clamp(0.0, 1.0)
+    if a.dim() == 2:
+        reach = torch.cumprod(a[:, : block_size - 1], dim=1)
+        return torch.cat([torch.ones_like(a[:, :1]), reach], dim=1).cumsum(1)
     slots = torch.arange(block_size, device=survival.device, dtype=torch.float32)
-    return (survival.float().clamp(0.0, 1.0)[:, None] ** slots[None]).cumsum(1)
+    return (a[:, None] ** slots[None]).cumsum(1)
 
 
 def plan_lengths(
@@ -98,6 +107,10 @@ def plan_lengths(
 ) -> torch.Tensor:
     """survival [bs] -> verify lengths [bs] long on survival's device (see the module docstring).
 
+    survival may also be [bs, B-1], a rate per proposal along the block (proposal j survives
+    with survival[i, j] once the ones before it did): a drafter's later proposals are accepted
+    less often than its first, and one rate per request prices the chain's tail above its worth.
+
     cap [bs]: the most slots a request may verify (e.g. the tokens it may still generate);
     allow_off: whether a request may verify only its bonus token (False: L >= min(min_len, cap)).
     """
@@ -105,6 +118,18 @@ def plan_lengths(
     bs, dev = survival.shape[0], survival.device
     if bs == 0:
         return torch.zeros(0, dtype=torch.long, device=dev)
+    if dev.type == "cpu":
+        cap_np = None if cap is None else cap.detach().cpu().numpy()
+        off_np = np.broadcast_to(np.asarray(allow_off.detach().cpu().numpy() if isinstance(allow_off, torch.Tensor)
+                                            else allow_off, dtype=bool), (bs,))
+        return torch.from_numpy(_plan_on_host(survival.numpy(), block_size, cost, min_len, cap_np, off_np, rounds))
+    return _plan_in_torch(survival, block_size, cost, min_len, cap, allow_off, rounds)
+
+
+def _plan_in_torch(survival, block_size: int, cost: PlanCost, min_len: int, cap, allow_off, rounds: int) -> torch.Tensor:
+    """Dinkelbach's rounds in torch, a fixed number of them: nothing is read back to the host
+    (what an accelerator runs; on a CPU :func:`_plan_on_host` gives the same plan)."""
+    bs, dev = survival.shape[0], survival.device
     lens = torch.arange(1, block_size + 1, device=dev)  # candidate L per column
     cap = (
         torch.full((bs,), block_size, dtype=torch.long, device=dev)
@@ -121,14 +146,10 @@ def plan_lengths(
     neg = torch.finfo(torch.float32).min
     lam = torch.zeros((), device=dev)
     choice = torch.zeros(bs, dtype=torch.long, device=dev)
-    sync_free = dev.type == "cpu"
     for _ in range(rounds):
         net = (gains - lam * row_cost[None]).masked_fill(~allowed, neg)
         choice = net.argmax(1)
-        value = gains.gather(1, choice[:, None]).sum() / (base + row_cost[choice].sum())
-        if sync_free and float(value) <= float(lam) * (1 + 1e-7):
-            break
-        lam = value
+        lam = gains.gather(1, choice[:, None]).sum() / (base + row_cost[choice].sum())
     if cost.draft_fixed > 0:
         # the best plan charged draft_fixed, against drafting nobody (when everyone may be off)
         drafts = (choice > 0).any()
@@ -138,6 +159,52 @@ def plan_lengths(
         better_off = off.all() & (off_value > tokens / spent)
         choice = torch.where(better_off, torch.zeros_like(choice), choice)
     return choice + 1
+
+
+def _plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len: int, cap: np.ndarray | None,
+                  allow_off: np.ndarray, rounds: int) -> np.ndarray:
+    """The same plan in numpy, its rounds stopping once the value settles. On a CPU, where
+    reading a tensor costs nothing, torch's per-call overhead is the plan's whole cost on arrays
+    this small: about 0.5 ms a step in torch against a tenth of it here (the engine plans every
+    step, and at c=1 a step takes about 17 ms)."""
+    bs = survival.shape[0]
+    lens = np.arange(1, block_size + 1)
+    cap = np.full(bs, block_size, dtype=np.int64) if cap is None else np.clip(cap.astype(np.int64), 1, block_size)
+    lo = np.minimum(cap, max(min_len, 1))
+    off = allow_off | (lo == 1)
+    allowed = (lens[None] >= lo[:, None]) & (lens[None] <= cap[:, None])
+    allowed[:, 0] |= off
+    gains = _host_gains(survival, block_size)
+    row_cost = (cost.per_token * lens + cost.per_draft * (lens > 1)).astype(np.float32)
+    base = cost.fixed + cost.draft_fixed
+    rows = np.arange(bs)
+    lam = 0.0
+    choice = np.zeros(bs, dtype=np.int64)
+    for _ in range(rounds):
+        net = gains - np.float32(lam) * row_cost[None]
+        net[~allowed] = -np.inf
+        choice = net.argmax(1)
+        value = float(gains[rows, choice].sum(dtype=np.float64)) / (base + float(row_cost[choice].sum(dtype=np.float64)))
+        if value <= lam * (1 + 1e-7):
+            break
+        lam = value
+    if cost.draft_fixed > 0 and off.all():
+        # the best plan charged draft_fixed, against drafting nobody
+        tokens = float(gains[rows, choice].sum(dtype=np.float64))
+        spent = cost.fixed + cost.draft_fixed * float(choice.any()) + float(row_cost[choice].sum(dtype=np.float64))
+        off_value = float(gains[:, 0].sum(dtype=np.float64)) / (cost.fixed + float(row_cost[0]) * bs)
+        if off_value > tokens / spent:
+            choice = np.zeros_like(choice)
+    return choice + 1
+
+
+def _host_gains(survival: np.ndarray, block_size: int) -> np.ndarray:
+    """:func:`_gains` in numpy (float32)."""
+    a = np.clip(survival.astype(np.float32), 0.0, 1.0)
+    if a.ndim == 2:
+        reach = np.cumprod(a[:, : block_size - 1], axis=1, dtype=np.float32)
+        return np.cumsum(np.concatenate([np.ones_like(a[:, :1]), reach], axis=1), axis=1, dtype=np.float32)
+    return np.cumsum(a[:, None] ** np.arange(block_size, dtype=np.float32)[None], axis=1, dtype=np.float32)
 
 
 def paper_lengths(

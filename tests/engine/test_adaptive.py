@@ -1,6 +1,7 @@
 """The adaptive parts: the planner's optimality, online calibration, draft-off, probing and the
 drafter context's lazy catch-up. Each check comes with a control that a wrong version fails."""
 
+import functools
 import itertools
 
 import pytest
@@ -16,6 +17,7 @@ from sglang_adaflash.planner import (
     plan_lengths,
 )
 from sglang_adaflash.planner.cost import StepCostModel
+from sglang_adaflash.planner.lengths import _plan_in_torch
 
 from .conftest import OracleProposer
 from .test_lossless_greedy import _prompts
@@ -23,9 +25,21 @@ from .test_lossless_greedy import _prompts
 # -- the planner ---------------------------------------------------------------------------
 
 
+def _tau(a, lens) -> float:
+    """E[tau | L] summed over requests, in float64, from one rate per request ([bs]) or one per
+    proposal ([bs, B-1]): the planner's model written out independently of it."""
+    total = 0.0
+    for i, n in enumerate(torch.as_tensor(lens).tolist()):
+        reach = 1.0
+        for s in range(n):
+            total += reach
+            reach *= float(a[i]) if a.dim() == 1 else float(a[i, s]) if s < a.shape[1] else 0.0
+    return total
+
+
 def _value(a, lens, cost: PlanCost) -> float:
     lens = torch.as_tensor(lens)
-    tokens = float(expected_tau(a, lens).sum())
+    tokens = _tau(a, lens)
     drafted = lens > 1
     seconds = (cost.fixed + cost.draft_fixed * bool(drafted.any()) + cost.per_token * float(lens.sum())
                + cost.per_draft * int(drafted.sum()))
@@ -41,12 +55,14 @@ def _best_by_enumeration(a, block, cost, min_len, cap, allow_off):
     return max(_value(a, combo, cost) for combo in itertools.product(*options))
 
 
-def _cases(n):
+def _cases(n, per_slot=False):
     g = torch.Generator().manual_seed(0)
     for _ in range(n):
         bs = int(torch.randint(1, 4, (1,), generator=g))
         block = int(torch.randint(2, 6, (1,), generator=g))
         a = torch.rand(bs, generator=g) ** 2
+        if per_slot:  # a rate per proposal, mostly falling along the block
+            a = (a[:, None] * (1 - 0.5 * torch.rand(bs, block - 1, generator=g)).cumprod(1)).clamp(0, 1)
         cost = PlanCost(
             fixed=float(torch.rand(1, generator=g)) * 0.02,
             per_token=0.0005 + float(torch.rand(1, generator=g)) * 0.004,
@@ -59,9 +75,17 @@ def _cases(n):
         yield a, block, cost, min_len, cap, allow_off
 
 
-def test_planner_is_optimal_by_brute_force():
-    for a, block, cost, min_len, cap, allow_off in _cases(300):
-        lens = plan_lengths(a, block, cost, min_len=min_len, cap=cap, allow_off=allow_off)
+@pytest.mark.parametrize("path", ["host", "torch"])
+@pytest.mark.parametrize("per_slot", [False, True], ids=["one_rate", "per_slot"])
+def test_planner_is_optimal_by_brute_force(path, per_slot):
+    """Both implementations (numpy on a CPU, torch's fixed rounds on an accelerator), with one
+    survival rate per request and with a rate per proposal along the block."""
+    plan = plan_lengths if path == "host" else functools.partial(_plan_in_torch, rounds=8)
+    for a, block, cost, min_len, cap, allow_off in _cases(300, per_slot):
+        if path == "host":
+            lens = plan(a, block, cost, min_len=min_len, cap=cap, allow_off=allow_off)
+        else:
+            lens = plan(a, block, cost, min_len, cap, allow_off)
         lo = torch.minimum(torch.full_like(cap, min_len), cap)
         assert ((lens <= cap) & ((lens >= lo) | ((lens == 1) & allow_off))).all(), (lens, cap, allow_off)
         best = _best_by_enumeration(a, block, cost, min_len, cap, allow_off)
@@ -77,6 +101,33 @@ def test_brute_force_check_rejects_a_rule_blind_to_draft_costs():
         best = _best_by_enumeration(a, block, cost, min_len, cap, allow_off)
         caught += _value(a, blind, cost) < best * (1 - 1e-5)
     assert caught > 10
+
+
+def test_host_and_torch_plans_agree():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        bs = int(torch.randint(1, 40, (1,), generator=g))
+        a = torch.rand(bs, generator=g)
+        if bool(torch.rand(1, generator=g) < 0.5):
+            a = (a[:, None] * (1 - 0.4 * torch.rand(bs, 15, generator=g)).cumprod(1))
+        cost = PlanCost(0.006, 0.0003 * float(torch.rand(1, generator=g)) + 1e-5,
+                        0.001 * float(torch.rand(1, generator=g)), 0.003 * float(torch.rand(1, generator=g)))
+        cap = torch.randint(1, 17, (bs,), generator=g)
+        off = torch.rand(bs, generator=g) < 0.9
+        host = plan_lengths(a, 16, cost, min_len=2, cap=cap, allow_off=off)
+        dev = _plan_in_torch(a, 16, cost, 2, cap, off, 8)
+        assert torch.equal(host, dev), (a, cost, host, dev)
+
+
+def test_a_falling_profile_verifies_fewer_slots_than_one_rate_with_the_same_first_slot():
+    """The point of a per-proposal rate: a tail the drafter rarely lands is not paid for."""
+    cost = PlanCost(fixed=0.006, per_token=0.0004, per_draft=0.0005, draft_fixed=0.004)
+    flat = plan_lengths(torch.tensor([0.7]), 16, cost, min_len=2)
+    falling = plan_lengths(torch.tensor([[0.7, 0.63, 0.49, 0.45, 0.23, 0.14, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]]),
+                           16, cost, min_len=2)
+    same = plan_lengths(torch.full((1, 15), 0.7), 16, cost, min_len=2)
+    assert torch.equal(same, flat)  # control: a flat profile is the one-rate plan
+    assert 1 < int(falling) < int(flat), (falling, flat)
 
 
 def test_planner_drafts_nobody_when_drafts_fail_and_everyone_when_they_succeed():
@@ -125,6 +176,41 @@ def test_posterior_draws_centre_on_the_estimate_and_narrow_with_evidence():
     _simulate(post, 1, 0.02, 0.5, 2, block, g)
     short = torch.stack([post.sample(slots, draws) for _ in range(4000)]).std(0)
     assert not short[1] < 0.5 * short[0], short
+
+
+def _chain(profile, g) -> int:
+    """Proposals accepted in one verified block whose proposal j survives with profile[j]."""
+    n = 0
+    while n < len(profile) and float(torch.rand(1, generator=g)) < profile[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("falling", [True, False], ids=["falling", "control_flat"])
+def test_the_domain_profile_follows_acceptance_along_the_block(falling):
+    """A drafter's later proposals are accepted less often once reached: the per-proposal rates
+    the planner reads fall along the block as the verified blocks did. Control: a geometric
+    process (one rate everywhere) keeps the profile flat, the rate as the posterior's."""
+    block, g = 16, torch.Generator().manual_seed(5)
+    profile = ([0.75, 0.65, 0.5, 0.45, 0.25, 0.15] + [0.1] * 9) if falling else [0.6] * 15
+    post = SurvivalPosterior(2)
+    post.reset(torch.tensor([0, 1]), ["code", "code"])
+    for step in range(600):
+        slot = torch.tensor([step % 2])
+        post.observe(slot, torch.tensor([0.5]), torch.tensor([_chain(profile, g)]), torch.tensor([block]))
+    rate, _ = post.estimate(torch.tensor([0]))
+    rates = post.per_slot(torch.tensor([0]), rate, block - 1)[0]
+    if falling:
+        assert rates[0] > 0.65 and rates[4] < 0.35 and rates[0] > 1.8 * rates[4], rates
+    else:
+        assert torch.allclose(rates[:5], rate.expand(5), atol=0.06), (rates, rate)
+    # a domain with no evidence yet reads the request's rate at every slot
+    post.reset(torch.tensor([1]), ["prose"])
+    fresh = post.per_slot(torch.tensor([1]), torch.tensor([0.4]), block - 1)
+    assert torch.allclose(fresh, torch.full((1, block - 1), 0.4))
+    post.forget()
+    assert torch.allclose(post.per_slot(torch.tensor([0]), torch.tensor([0.4]), block - 1),
+                          torch.full((1, block - 1), 0.4))
 
 
 @pytest.mark.parametrize("true_a, head_a", [(0.05, 0.75), (0.8, 0.4), (0.5, 0.5)])

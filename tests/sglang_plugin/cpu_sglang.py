@@ -488,8 +488,8 @@ class SyncTrap:
     rather than measured."""
 
     READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
-    #: The shared planner stops its rounds early only when its tensors are on a CPU, where a
-    #: read costs nothing (planner/lengths.py: ``sync_free``); on a GPU it runs fixed rounds.
+    #: The shared planner reads its inputs to the host (numpy) only when they are on a CPU,
+    #: where a read costs nothing (planner/lengths.py); on a GPU it runs fixed rounds in torch.
     CPU_ONLY = {("lengths.py", "plan_lengths")}
 
     def __init__(self):

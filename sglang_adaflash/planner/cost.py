@@ -106,6 +106,7 @@ class _Ridge:
     """
 
     refit_every = 4
+    OUTLIER = 2.0
 
     def __init__(self, centre, scale, prior_weight, decay, warmup):
         self.scale = [float(v) for v in scale]
@@ -122,6 +123,13 @@ class _Ridge:
 
     def observe(self, features, seconds: float) -> None:
         x = [f / s for f, s in zip(features, self.scale)]
+        if self.seen >= self.warmup:
+            # a step far slower than the fit expects (a collection pause, another tenant's burst,
+            # a first kernel at a new shape) counts as OUTLIER times the expectation: one such
+            # step once priced verified tokens at nothing for the next hundred steps
+            expected = sum(t * xi for t, xi in zip(self.theta.tolist(), x))
+            if expected > 0:
+                seconds = min(seconds, self.OUTLIER * expected)
         dec, k = self.decay, len(x)
         self.xtx = [dec * v + x[i // k] * x[i % k] for i, v in enumerate(self.xtx)]
         self.xty = [dec * v + xi * seconds for v, xi in zip(self.xty, x)]

@@ -154,3 +154,46 @@ def test_online_cost_model_keeps_up_with_a_cost_that_moves_while_it_is_asked_eve
     truth = 2.0 * (0.002 + 0.0005 * 32)
     assert abs(fit.fixed - truth) < 0.1 * truth, fit
     assert abs(before.fixed - truth) > 0.3 * truth, before  # control: the stale answer is wrong
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "control_unclipped"])
+def test_one_stalled_step_does_not_reprice_the_tokens(monkeypatch, clip):
+    """A step 40 times slower than the rest (a collection pause, another tenant's burst, the
+    first kernel at a new shape) counts as at most OUTLIER times what the fit expects: the
+    per-token price stays near the truth. Control: counted at face value, it wrecks the fit."""
+    from sglang_adaflash.planner import cost
+
+    if not clip:
+        monkeypatch.setattr(cost._Ridge, "OUTLIER", float("inf"))
+    model = cost.OnlineCostModel(StepCostModel(fixed=0.006, per_token=0.0002))
+    g = torch.Generator().manual_seed(2)
+
+    def step(slow=1.0):
+        bs = int(torch.randint(1, 65, (1,), generator=g))
+        tokens = bs * int(torch.randint(1, 17, (1,), generator=g))
+        model.observe(bs, tokens, slow * (0.002 + 0.0005 * bs + 0.0001 * tokens), drafted=0)
+
+    for _ in range(60):
+        step()
+    step(slow=40.0)
+    for _ in range(8):
+        step()
+    fit = model.model(32)
+    ok = abs(fit.per_token - 0.0001) < 0.3 * 0.0001 and abs(fit.fixed - 0.018) < 0.3 * 0.018
+    assert ok == clip, fit
+
+
+def test_the_engines_first_decode_step_is_not_fitted(target, drafter, monkeypatch):
+    """The engine's first decode step pays one-time costs (buffers, first kernels at its
+    shapes; 156 ms against 12 on the embedded pair): the online cost model never sees it, and
+    sees every later step."""
+    from sglang_adaflash.engine import engine as engine_mod
+    from sglang_adaflash.planner.cost import OnlineCostModel
+
+    seen = []
+    real = OnlineCostModel.observe
+    monkeypatch.setattr(OnlineCostModel, "observe", lambda self, *a, **k: (seen.append(a), real(self, *a, **k))[1])
+    monkeypatch.setattr(engine_mod, "profile_step_cost", lambda e: StepCostModel(0.001, 0.0001))
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=2, max_seq_len=64)
+    eng.run([Request([1, 2, 3 + i], SamplingParams(max_new_tokens=12)) for i in range(3)])
+    assert eng.stats.steps > 3 and len(seen) == eng.stats.steps - 1, (len(seen), eng.stats.steps)

@@ -190,7 +190,8 @@ class SpecEngine:
         # engines may share one target (a benchmark's modes side by side): each sets what it needs
         self._capture = list(target.capture_layer_ids)
         adaptive = mode == "adaflash" and length_rule == "load_aware"
-        posterior = SurvivalPosterior(max_batch_size, device=self.device) if adaptive and calibrate else None
+        posterior = (SurvivalPosterior(max_batch_size, device=self.device, max_block=self.block_size)
+                     if adaptive and calibrate else None)
         self._draft_off = adaptive and draft_off and posterior is not None
         # plan from history before drafting (needs the draft-off choice, which makes that plan)
         self._plan_first = self._draft_off and lengths_from == "history"

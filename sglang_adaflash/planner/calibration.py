@@ -39,6 +39,7 @@ vector operations with no host synchronisation.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _EPS = 1e-4
@@ -74,6 +75,7 @@ class SurvivalPosterior:
         self.slot_counts = torch.zeros(max_domains, max_block, 2, **z)
         self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
+        self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
 
     def domain_id(self, domain: str | None) -> int:
         """A stable small id per domain name; beyond max_domains names share the unknown pool."""
@@ -119,6 +121,31 @@ class SurvivalPosterior:
         head_mean = pooled[:, 2] / trials.clamp(min=_EPS)
         return self._rate(pooled, head_mean), known
 
+    def estimate_on_host(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`estimate` of cache slots 0..n-1 in numpy, on views of the state (a CPU only):
+        the same float32 operations, without torch's per-call overhead."""
+        own = self.counts.numpy()[:n]
+        dom = self.domain_counts.numpy()[self.slot_domain.numpy()[:n]]
+        trials = dom[:, 0] + dom[:, 1]
+        scale = np.float32(self.domain_weight) / np.maximum(trials, np.float32(self.domain_weight))
+        pooled = own + dom * scale[:, None]
+        s, f = pooled[:, 0], pooled[:, 1]
+        trials = s + f
+        head_mean = pooled[:, 2] / np.maximum(trials, np.float32(_EPS))
+        hw = np.float32(self.head_weight)
+        return (s + hw * head_mean) / (s + f + hw), trials > 0.5
+
+    def per_slot_on_host(self, n: int, rate: np.ndarray, width: int) -> np.ndarray:
+        """:meth:`per_slot` of cache slots 0..n-1 in numpy (a CPU only)."""
+        c = self.slot_counts.numpy()[self.slot_domain.numpy()[:n], :width]
+        acc, reached = c[..., 0], c[..., 1]
+        mean = acc.sum(1) / np.maximum(reached.sum(1), np.float32(_EPS))
+        k = np.float32(self.profile_weight)
+        prof = (acc + k * mean[:, None]) / (reached + k)
+        shape = np.where(reached.sum(1, keepdims=True) > 0.5, prof / np.maximum(mean, np.float32(_EPS))[:, None],
+                         np.float32(1.0))
+        return np.clip(rate.astype(np.float32)[:, None] * shape, np.float32(0.0), np.float32(1 - _EPS))
+
     def sample(self, slots: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A draw of each slot's survival from its posterior (normal with the Beta's mean and
         variance, clipped to [0, 1)): planning with draws instead of means drafts a request in
@@ -152,6 +179,9 @@ class SurvivalPosterior:
         verify_lens: torch.Tensor,
     ) -> None:
         """Fold one verify step in. Rows that verified no proposal (L = 1) carry no evidence."""
+        if self.host:
+            self._observe_on_host(slots.numpy(), head_survival.numpy(), num_accepted.numpy(), verify_lens.numpy())
+            return
         n = num_accepted.float()
         cand = (verify_lens.to(n.device) - 1).float()
         seen = cand > 0
@@ -168,6 +198,27 @@ class SurvivalPosterior:
         accepted = (j < n[:, None]).float() * reached
         self.slot_counts.mul_(self.profile_decay)
         self.slot_counts.index_add_(0, self.slot_domain[slots], torch.stack([accepted, reached], dim=2))
+
+    def _observe_on_host(self, slots: np.ndarray, head: np.ndarray, n: np.ndarray, lens: np.ndarray) -> None:
+        """:meth:`observe` in numpy on views of the state (a CPU: the engine calls it every step,
+        and torch's per-call overhead was most of its 0.25 ms at c=1)."""
+        n = n.astype(np.float32)
+        cand = (lens - 1).astype(np.float32)
+        seen = cand > 0
+        fail = (n < cand).astype(np.float32)
+        trials = n + fail
+        obs = np.stack([n, fail, head.astype(np.float32) * trials], axis=1) * seen[:, None]
+        keep = np.where(seen, np.float32(self.decay), np.float32(1.0))[:, None]
+        counts, domains = self.counts.numpy(), self.domain_counts.numpy()
+        counts[slots] = counts[slots] * keep + obs
+        ids = self.slot_domain.numpy()[slots]
+        domains *= np.float32(self.domain_decay)
+        np.add.at(domains, ids, obs)
+        j = np.arange(self.slot_counts.shape[1])[None]
+        reached = (j <= n[:, None]) & (j < cand[:, None])
+        profile = self.slot_counts.numpy()
+        profile *= np.float32(self.profile_decay)
+        np.add.at(profile, ids, np.stack([(j < n[:, None]) & reached, reached], axis=2).astype(np.float32))
 
     def per_slot(self, slots: torch.Tensor, rate: torch.Tensor, width: int) -> torch.Tensor:
         """[n, width]: each slot's rate for these cache slots, rate [n] scaled by the domain's

@@ -122,13 +122,13 @@ def plan_lengths(
         cap_np = None if cap is None else cap.detach().cpu().numpy()
         off_np = np.broadcast_to(np.asarray(allow_off.detach().cpu().numpy() if isinstance(allow_off, torch.Tensor)
                                             else allow_off, dtype=bool), (bs,))
-        return torch.from_numpy(_plan_on_host(survival.numpy(), block_size, cost, min_len, cap_np, off_np, rounds))
+        return torch.from_numpy(plan_on_host(survival.numpy(), block_size, cost, min_len, cap_np, off_np, rounds))
     return _plan_in_torch(survival, block_size, cost, min_len, cap, allow_off, rounds)
 
 
 def _plan_in_torch(survival, block_size: int, cost: PlanCost, min_len: int, cap, allow_off, rounds: int) -> torch.Tensor:
     """Dinkelbach's rounds in torch, a fixed number of them: nothing is read back to the host
-    (what an accelerator runs; on a CPU :func:`_plan_on_host` gives the same plan)."""
+    (what an accelerator runs; on a CPU :func:`plan_on_host` gives the same plan)."""
     bs, dev = survival.shape[0], survival.device
     lens = torch.arange(1, block_size + 1, device=dev)  # candidate L per column
     cap = (
@@ -161,8 +161,8 @@ def _plan_in_torch(survival, block_size: int, cost: PlanCost, min_len: int, cap,
     return choice + 1
 
 
-def _plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len: int, cap: np.ndarray | None,
-                  allow_off: np.ndarray, rounds: int) -> np.ndarray:
+def plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len: int, cap: np.ndarray | None,
+                 allow_off: np.ndarray, rounds: int = 8) -> np.ndarray:
     """The same plan in numpy, its rounds stopping once the value settles. On a CPU, where
     reading a tensor costs nothing, torch's per-call overhead is the plan's whole cost on arrays
     this small: about 0.5 ms a step in torch against a tenth of it here (the engine plans every
@@ -176,6 +176,10 @@ def _plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len
     allowed[:, 0] |= off
     gains = _host_gains(survival, block_size)
     row_cost = (cost.per_token * lens + cost.per_draft * (lens > 1)).astype(np.float32)
+    if bs == 1:
+        # one request: every allowed length's own ratio (drafting nobody pays no draft_fixed)
+        spent = cost.fixed + cost.draft_fixed * (lens > 1) + row_cost.astype(np.float64)
+        return np.array([int(np.where(allowed[0], gains[0] / spent, -np.inf).argmax()) + 1])
     base = cost.fixed + cost.draft_fixed
     rows = np.arange(bs)
     lam = 0.0

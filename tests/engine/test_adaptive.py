@@ -580,3 +580,63 @@ def test_a_swapped_drafter_is_read_afresh(target, drafter):
 
     assert any(undrafted_after(swap=True))
     assert not any(undrafted_after(swap=False))
+
+
+def test_the_host_choice_equals_the_tensor_choice():
+    """On a CPU the draft-or-not choice plans in numpy on views of the posterior; it must decide
+    exactly as the tensor path (what an accelerator runs) over random states: the same rows, the
+    same forced rows, the same lengths and rates."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from sglang_adaflash.engine.draft_choice import DraftChoice
+
+    g = torch.Generator().manual_seed(11)
+    decided = 0
+    for trial in range(150):
+        bs = int(torch.randint(1, 24, (1,), generator=g))
+        post = SurvivalPosterior(bs)
+        post.reset(torch.arange(bs), [f"d{int(i)}" for i in torch.randint(0, 3, (bs,), generator=g)])
+        for _ in range(int(torch.randint(0, 30, (1,), generator=g))):
+            rows = torch.randperm(bs, generator=g)[: int(torch.randint(1, bs + 1, (1,), generator=g))]
+            lens = torch.randint(1, 17, (len(rows),), generator=g)
+            acc = (torch.rand(len(rows), generator=g) * lens).long().clamp(max=lens - 1)
+            post.observe(rows, torch.rand(len(rows), generator=g), acc, lens)
+        seqs = [SimpleNamespace(since_draft=int(torch.randint(0, 40, (1,), generator=g)), probe_gap=16)
+                for _ in range(bs)]
+        caps = torch.randint(1, 17, (bs,), generator=g).tolist()
+        cost = StepCostModel(fixed=0.01 * float(torch.rand(1, generator=g)), per_token=1e-4 + 1e-3 * float(torch.rand(1, generator=g)),
+                             per_draft=1e-3 * float(torch.rand(1, generator=g)), draft_fixed=5e-3 * float(torch.rand(1, generator=g)))
+        out = []
+        for host in (True, False):
+            choice = DraftChoice(post, 16, 2, "cpu", probe_share=1.0)
+            choice.host = host
+            chosen, forced = choice.choose(seqs, caps, cost, measured=True)
+            out.append((chosen, forced, choice.lengths.tolist(), choice.rate.numpy().copy()))
+        assert out[0][:3] == out[1][:3], (trial, out)
+        np.testing.assert_allclose(out[0][3], out[1][3], rtol=1e-6)
+        decided += bool(out[0][0])
+    assert 30 < decided < 150  # control: the cases draft some rows, and not always
+
+
+def test_the_host_update_equals_the_tensor_update():
+    """observe() on a CPU updates the posterior in numpy on views of its tensors; the state it
+    leaves is the tensor path's, over a random run of steps with shared domains and rows that
+    verified no proposal."""
+    g = torch.Generator().manual_seed(12)
+    a, b = SurvivalPosterior(9), SurvivalPosterior(9)
+    b.host = False
+    domains = [f"d{int(i)}" for i in torch.randint(0, 3, (9,), generator=g)]
+    for p in (a, b):
+        p.reset(torch.arange(9), domains)
+    for _ in range(300):
+        rows = torch.randperm(9, generator=g)[: int(torch.randint(1, 10, (1,), generator=g))]
+        lens = torch.randint(1, 17, (len(rows),), generator=g)
+        acc = (torch.rand(len(rows), generator=g) * lens).long().clamp(max=lens - 1)
+        head = torch.rand(len(rows), generator=g)
+        for p in (a, b):
+            p.observe(rows, head, acc, lens)
+    for name in ("counts", "domain_counts", "slot_counts"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6), name
+    assert float(a.slot_counts.sum()) > 0 and float(a.counts.abs().sum()) > 0

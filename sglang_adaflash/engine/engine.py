@@ -26,7 +26,6 @@ from ..planner.calibration import SurvivalPosterior
 from ..planner.cost import OnlineCostModel, StepCostModel
 from ..planner.lengths import (
     PlanCost,
-    expected_tau,
     plan_verify_lengths,
     survival_rate,
 )
@@ -81,16 +80,24 @@ class SpecBatch(SpecMetadata):
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
         if not adaptive:
             return None
+        out = [1.0 / block_size] * len(self.lengths)
         if not self.drafted:
-            return [1.0 / block_size] * len(self.lengths)
-        out = torch.full((len(self.lengths),), 1.0 / block_size)
-        rows = torch.tensor(self.drafted, dtype=torch.long)
+            return out
+        # plain Python on a few floats per row: this runs every step, for the stats alone
         if self.survival is not None:
-            tau = expected_tau(self.survival.cpu(), self.lengths[rows])
-            out[rows] = tau / block_size
+            lengths = self.lengths.tolist()
+            for i, a in zip(self.drafted, self.survival.float().tolist()):
+                out[i] = _expected_tau(a, lengths[i]) / block_size
         elif self.head_ratio is not None:
-            out[rows] = self.head_ratio.float().cpu()
-        return out.tolist()
+            for i, r in zip(self.drafted, self.head_ratio.float().tolist()):
+                out[i] = r
+        return out
+
+
+def _expected_tau(a: float, n: int) -> float:
+    """planner.lengths.expected_tau of one row, in Python floats."""
+    a = min(max(a, 0.0), 1.0)
+    return float(n) if a >= 1 - 1e-6 else (1 - a**n) / max(1 - a, 1e-12)
 
 
 @dataclass

@@ -197,3 +197,23 @@ def test_the_engines_first_decode_step_is_not_fitted(target, drafter, monkeypatc
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=2, max_seq_len=64)
     eng.run([Request([1, 2, 3 + i], SamplingParams(max_new_tokens=12)) for i in range(3)])
     assert eng.stats.steps > 3 and len(seen) == eng.stats.steps - 1, (len(seen), eng.stats.steps)
+
+
+def test_predicted_ratios_are_the_planners_expected_tau():
+    """The stats' predicted E[tau | L] / B per row (plain Python, every step) is the planner's
+    expected_tau: checked on random rows against it, and 1/B on the rows not drafted."""
+    from sglang_adaflash.engine.engine import SpecBatch
+    from sglang_adaflash.planner.lengths import expected_tau
+
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, 17, (9,), generator=g)
+    drafted = [0, 2, 3, 7]
+    survival = torch.rand(4, generator=g)
+    survival[1] = 1.0
+    spec = SpecBatch(lengths, drafted=drafted, survival=survival)
+    got = spec.predicted_ratios(16, True)
+    want = [1 / 16] * 9
+    for i, a in zip(drafted, survival):
+        want[i] = float(expected_tau(a[None], lengths[i : i + 1])) / 16
+    assert got == pytest.approx(want, rel=1e-5)
+    assert SpecBatch(lengths).predicted_ratios(16, False) is None

@@ -74,7 +74,7 @@ class DraftChoice:
         # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
         bs = len(seqs)
         row = cost.per_draft + cost.per_token * max(self.min_len - 1, 1)  # one probe row's price
-        self.credit = min(self.credit + self.probe_share * (cost.fixed + cost.per_token * bs),
+        self.credit = min(self.credit + self.probe_share * cost.plain_step(bs),
                           cost.draft_fixed + row * bs)
         gap = self.probe_every
 
@@ -108,7 +108,7 @@ class DraftChoice:
             # really costs (catch-up of their pending context, the forward, the head, planning)
             # is charged after the step in place of this estimate (see charge_forced).
             self.forced_charge = (spend if probes else 0.0, cost.per_token, cost.draft_fixed + row * bs,
-                                  cost.fixed + cost.per_token * bs)
+                                  cost.plain_step(bs))
         drafted = [i for i, c in enumerate(chosen.tolist()) if c]
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         return drafted, [i for i in drafted if bool(force[i])]

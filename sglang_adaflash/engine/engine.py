@@ -531,7 +531,8 @@ class SpecEngine:
         # the drafts are paid for now: price the step with them, every row in it
         bs, n = len(spec.lengths), len(spec.drafted)
         cost = self._cost(bs)
-        sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token)
+        sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token,
+                        per_proposal=cost.per_proposal)
         survival = torch.zeros(bs, device=self.device)
         survival[slots] = spec.survival.float()
         row_cap = torch.ones(bs, dtype=torch.long)

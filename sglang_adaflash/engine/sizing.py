@@ -55,7 +55,7 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
         times.append(best)
     per_token = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 1e-9)
     fixed = max(times[0] - per_token * sizes[0], 0.0)
-    per_draft = draft_fixed = 0.0
+    per_draft = draft_fixed = per_proposal = 0.0
     if isinstance(engine.proposer, DFlashProposer):
         # drafting: a part paid once when anyone drafts and a part per drafted request (fitted
         # from two batch sizes); its LM head runs per proposal
@@ -81,5 +81,7 @@ def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> 
             t0 = synced_time(engine.device)
             engine.proposer.proposal_logits(hidden[:1], rows, rows + 1)
             head_times.append(synced_time(engine.device) - t0)
-        per_token += max((head_times[1] - head_times[0]) / 60, 0.0)
-    return StepCostModel(fixed=fixed, per_token=per_token, per_draft=per_draft, draft_fixed=draft_fixed)
+        per_proposal = max((head_times[1] - head_times[0]) / 60, 0.0)  # the LM head, per proposal
+        per_token += per_proposal
+    return StepCostModel(fixed=fixed, per_token=per_token, per_draft=per_draft, draft_fixed=draft_fixed,
+                         per_proposal=min(per_proposal, per_token * (1 - 1e-6)))

@@ -24,7 +24,7 @@ class StepCostModel(PlanCost):
     which keeps every request drafted). The planner's `PlanCost`, under the engine's name."""
 
     def plan_cost(self) -> PlanCost:
-        return PlanCost(self.fixed, self.per_token, self.per_draft, self.draft_fixed)
+        return PlanCost(self.fixed, self.per_token, self.per_draft, self.draft_fixed, self.per_proposal)
 
 
 class OnlineCostModel:
@@ -45,7 +45,8 @@ class OnlineCostModel:
     time and switch off requests whose drafts pay. The batch-size term keeps costs that grow
     with the batch but not with the verify lengths (attention over every context) out of the
     per-token price. For a batch of n requests the rule sees fixed = a + b * n,
-    per_token = c + g, per_draft = d and draft_fixed = e.
+    per_token = c + g, per_proposal = g (what a bonus token does not pay: it has no proposal's
+    LM head), per_draft = d and draft_fixed = e.
     """
 
     _SCALE = (1.0, 64.0, 1024.0)  # feature scales (both fits)
@@ -85,9 +86,15 @@ class OnlineCostModel:
         # changes): hand it back so the observed steps keep their fitted time
         a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
         e, d = e + min(d, 0.0), max(d, 0.0)
+        # g: the drafter's LM head per proposal, which a row's bonus token does not pay. Charged
+        # it on every row, a plain step at c=32 once looked twice its measured price and the rule
+        # drafted nearly every row there (benchmarks/adaptive/, in-domain c=32: 0.79x ar).
+        g = max(g, 0.0)
+        per_token = max(c + g, 1e-9)
         out = StepCostModel(
             fixed=max(a + b * batch_size, 0.0),
-            per_token=max(c + max(g, 0.0), 1e-9),
+            per_token=per_token,
+            per_proposal=min(g, per_token * (1 - 1e-6)),
             per_draft=d,
             draft_fixed=max(e, 0.0),
         )
@@ -106,7 +113,6 @@ class _Ridge:
     """
 
     refit_every = 4
-    OUTLIER = 2.0
 
     def __init__(self, centre, scale, prior_weight, decay, warmup):
         self.scale = [float(v) for v in scale]
@@ -123,13 +129,6 @@ class _Ridge:
 
     def observe(self, features, seconds: float) -> None:
         x = [f / s for f, s in zip(features, self.scale)]
-        if self.seen >= self.warmup:
-            # a step far slower than the fit expects (a collection pause, another tenant's burst,
-            # a first kernel at a new shape) counts as OUTLIER times the expectation: one such
-            # step once priced verified tokens at nothing for the next hundred steps
-            expected = sum(t * xi for t, xi in zip(self.theta.tolist(), x))
-            if expected > 0:
-                seconds = min(seconds, self.OUTLIER * expected)
         dec, k = self.decay, len(x)
         self.xtx = [dec * v + x[i // k] * x[i % k] for i, v in enumerate(self.xtx)]
         self.xty = [dec * v + xi * seconds for v, xi in zip(self.xty, x)]
@@ -164,7 +163,7 @@ def choose_verify_lengths(
     lens = plan_lengths(
         survival_rate(ratio, block_size),
         block_size,
-        PlanCost(cost.fixed, cost.per_token),
+        PlanCost(cost.fixed, cost.per_token, per_proposal=cost.per_proposal),
         min_len=min_len,
         cap=max_len,
         allow_off=False,

@@ -4,12 +4,16 @@ Model. Request i's proposals survive verification one after another with probabi
 (a geometric acceptance process), so verifying L slots (slot 0, the last committed token, always
 commits) yields E[tau_i | L] = sum_{s<L} a_i^s committed tokens. A step costs
 
-    fixed + draft_fixed * [anyone drafts] + sum_i (per_token * L_i + per_draft * [L_i > 1])
+    fixed + draft_fixed * [anyone drafts]
+          + sum_i (per_token * L_i - per_proposal + per_draft * [L_i > 1])
 
 seconds: `fixed` is what a plain decode step pays whatever the lengths, `per_token` the marginal
-target compute per verified token, `per_draft` what drafting one more request costs (its rows of
-the drafter forward) and `draft_fixed` what running the drafter at all costs (launches, weight
-reads). L_i = 1 means the request is not drafted: it verifies only its bonus token.
+price of a verified proposal (target compute, and the drafter's LM head that made it),
+`per_proposal` the part of it a row's bonus token does not pay (it has no proposal: a plain step
+costs fixed + (per_token - per_proposal) * n), `per_draft` what drafting one more request costs
+(its rows of the drafter forward) and `draft_fixed` what running the drafter at all costs
+(launches, weight reads). L_i = 1 means the request is not drafted: it verifies only its bonus
+token.
 
 Rule. Choose L_i in {1} u [min(min_len, cap_i), cap_i] maximising
 
@@ -46,10 +50,17 @@ class PlanCost:
     per_token: float
     per_draft: float = 0.0
     draft_fixed: float = 0.0
+    per_proposal: float = 0.0
 
     def __post_init__(self):
         if self.fixed < 0 or self.per_token <= 0 or self.per_draft < 0 or self.draft_fixed < 0:
             raise ValueError(f"plan cost needs fixed, per_draft, draft_fixed >= 0 and per_token > 0, got {self}")
+        if not 0 <= self.per_proposal < self.per_token:
+            raise ValueError(f"plan cost needs 0 <= per_proposal < per_token, got {self}")
+
+    def plain_step(self, batch_size: int) -> float:
+        """Seconds of a step that drafts nobody: every row verifies its bonus token alone."""
+        return self.fixed + (self.per_token - self.per_proposal) * batch_size
 
 
 @functools.cache
@@ -141,7 +152,7 @@ def _plan_in_torch(survival, block_size: int, cost: PlanCost, min_len: int, cap,
     allowed = (lens[None] >= lo[:, None]) & (lens[None] <= cap[:, None])
     allowed |= (lens[None] == 1) & off[:, None]
     gains = _gains(survival, block_size)  # [bs, B]
-    row_cost = cost.per_token * lens.float() + cost.per_draft * (lens > 1).float()  # [B]
+    row_cost = cost.per_token * lens.float() - cost.per_proposal + cost.per_draft * (lens > 1).float()  # [B]
     base = cost.fixed + cost.draft_fixed
     neg = torch.finfo(torch.float32).min
     lam = torch.zeros((), device=dev)
@@ -175,7 +186,7 @@ def plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len:
     allowed = (lens[None] >= lo[:, None]) & (lens[None] <= cap[:, None])
     allowed[:, 0] |= off
     gains = _host_gains(survival, block_size)
-    row_cost = (cost.per_token * lens + cost.per_draft * (lens > 1)).astype(np.float32)
+    row_cost = (cost.per_token * lens - cost.per_proposal + cost.per_draft * (lens > 1)).astype(np.float32)
     if bs == 1:
         # one request: every allowed length's own ratio (drafting nobody pays no draft_fixed)
         spent = cost.fixed + cost.draft_fixed * (lens > 1) + row_cost.astype(np.float64)

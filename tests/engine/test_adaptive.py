@@ -42,7 +42,7 @@ def _value(a, lens, cost: PlanCost) -> float:
     tokens = _tau(a, lens)
     drafted = lens > 1
     seconds = (cost.fixed + cost.draft_fixed * bool(drafted.any()) + cost.per_token * float(lens.sum())
-               + cost.per_draft * int(drafted.sum()))
+               - cost.per_proposal * len(lens) + cost.per_draft * int(drafted.sum()))
     return tokens / seconds
 
 
@@ -63,11 +63,13 @@ def _cases(n, per_slot=False):
         a = torch.rand(bs, generator=g) ** 2
         if per_slot:  # a rate per proposal, mostly falling along the block
             a = (a[:, None] * (1 - 0.5 * torch.rand(bs, block - 1, generator=g)).cumprod(1)).clamp(0, 1)
+        per_token = 0.0005 + float(torch.rand(1, generator=g)) * 0.004
         cost = PlanCost(
             fixed=float(torch.rand(1, generator=g)) * 0.02,
-            per_token=0.0005 + float(torch.rand(1, generator=g)) * 0.004,
+            per_token=per_token,
             per_draft=float(torch.rand(1, generator=g)) * 0.01,
             draft_fixed=float(torch.rand(1, generator=g)) * 0.01,
+            per_proposal=per_token * float(torch.rand(1, generator=g)) * 0.9,
         )
         min_len = int(torch.randint(1, 3, (1,), generator=g))
         cap = torch.randint(1, block + 1, (bs,), generator=g)

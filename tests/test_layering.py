@@ -139,3 +139,13 @@ def test_the_module_checker_sees_a_lazy_cycle(tmp_path):
     g = _module_graph(pkg, "pkg")
     assert g["pkg.a"] == {"pkg.b"} and g["pkg.b"] == {"pkg.a"}
     assert _cycle(g) is not None
+
+
+def test_the_engines_parts_do_not_import_the_engine_back():
+    """`engine.engine` builds on the draft-or-not choice and the sizing profile; neither imports
+    it back (each was a cycle, through imports for type hints: they name what they read of the
+    engine as a Protocol of their own)."""
+    g = _module_graph(ROOT, "sglang_adaflash")
+    assert {"sglang_adaflash.engine.draft_choice", "sglang_adaflash.engine.sizing"} <= g["sglang_adaflash.engine.engine"]
+    for part in ("draft_choice", "sizing"):
+        assert "sglang_adaflash.engine.engine" not in g[f"sglang_adaflash.engine.{part}"], part

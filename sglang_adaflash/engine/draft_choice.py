@@ -15,7 +15,7 @@ whether it accepted anything (:meth:`DraftChoice.next_probe_gap`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,8 +24,14 @@ from ..planner.calibration import SurvivalPosterior
 from ..planner.cost import StepCostModel
 from ..planner.lengths import plan_lengths, plan_on_host
 
-if TYPE_CHECKING:
-    from .engine import SpecBatch
+
+class DraftedStep(Protocol):
+    """What charge_forced reads of a step (the engine's SpecBatch): named here, so this module
+    does not import the engine that imports it."""
+
+    drafted: list[int]
+    draft_seconds: float
+    forced_catch_up_seconds: float
 
 MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
 FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
@@ -162,7 +168,7 @@ class DraftChoice:
                 taken[domains[i]] = taken.get(domains[i], 0) + 1
         return cold
 
-    def charge_forced(self, spec: SpecBatch, proposals: int, verify_seconds: float | None = None) -> None:
+    def charge_forced(self, spec: DraftedStep, proposals: int, verify_seconds: float | None = None) -> None:
         """A step that drafted only forced rows pays its measured drafting time, and the verify
         slots of their proposals, from the probe credit (less what the plan already took); on a
         step that drafts anyway, forced rows pay their rows' price and their measured catch-up.

@@ -3,7 +3,7 @@ load-aware rule starts from before it has measured any step of its own."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -13,8 +13,16 @@ from ..planner.cost import StepCostModel
 from ..target.hf_target import HFTarget, TargetBatch
 from .proposer import DFlashProposer
 
-if TYPE_CHECKING:
-    from .engine import SpecEngine
+
+class ProfiledEngine(Protocol):
+    """What profile_step_cost reads of an engine (SpecEngine): named here, so this module does
+    not import the engine that imports it."""
+
+    target: HFTarget
+    drafter: DFlashDrafter | None
+    proposer: object
+    device: torch.device
+    max_batch_size: int
 
 
 def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str, max_batch_size: int, max_seq_len: int) -> int:
@@ -35,7 +43,7 @@ def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str
     return total
 
 
-def profile_step_cost(engine: SpecEngine, sizes=(16, 128), repeats: int = 2) -> StepCostModel:
+def profile_step_cost(engine: ProfiledEngine, sizes=(16, 128), repeats: int = 2) -> StepCostModel:
     """Fit time = fixed + per_token * T for a ragged verify forward, and the drafter's costs.
 
     Runs on spare cache slots' worth of scratch data; called once, lazily, by adaflash mode.

@@ -29,7 +29,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
+# this checkout's package, not whichever one the interpreter has installed (an export of another
+# commit, run with the main checkout's venv, once measured the main checkout's engine)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR  # noqa: E402
 from sglang_adaflash.bench.metrics import step_mae_floor
 from sglang_adaflash.bench.runner import recorded_path
 from sglang_adaflash.core.sampling import SamplingParams

@@ -87,8 +87,8 @@ class OnlineCostModel:
         a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
         e, d = e + min(d, 0.0), max(d, 0.0)
         # g: the drafter's LM head per proposal, which a row's bonus token does not pay. Charged
-        # it on every row, a plain step at c=32 once looked twice its measured price and the rule
-        # drafted nearly every row there (benchmarks/adaptive/, in-domain c=32: 0.79x ar).
+        # on every row, it once priced a plain step at in-domain c=32 at about twice its measured
+        # time, in a run that drafted nearly every row (docs/engine.md).
         g = max(g, 0.0)
         per_token = max(c + g, 1e-9)
         out = StepCostModel(

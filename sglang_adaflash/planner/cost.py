@@ -35,8 +35,8 @@ class OnlineCostModel:
     two phases of a step apart, and each phase gets its own exponentially weighted ridge fit
     with the profile as the ridge's centre:
 
-        verify seconds = a + b * batch_size + c * verified_tokens        (every step)
-        draft seconds  = e + d * drafted + g * proposals                 (steps that draft)
+        verify seconds = a + b * batch_size + c * verified_tokens + v * drafted   (every step)
+        draft seconds  = e + d * drafted + g * proposals                          (steps that draft)
 
     Fitting the drafter's cost from its own timings, rather than out of whole-step times,
     keeps what drafting costs from being confused with what the batch costs anyway: in one
@@ -44,16 +44,23 @@ class OnlineCostModel:
     holds more), and a noisy machine can then price the drafter forward at ten times its real
     time and switch off requests whose drafts pay. The batch-size term keeps costs that grow
     with the batch but not with the verify lengths (attention over every context) out of the
-    per-token price. For a batch of n requests the rule sees fixed = a + b * n,
-    per_token = c + g, per_proposal = g (what a bonus token does not pay: it has no proposal's
-    LM head), per_draft = d and draft_fixed = e.
+    per-token price. The drafted-rows term prices what a drafted row costs the verify beyond its
+    tokens (on a CPU, its own attention call per layer on the target's ragged path, which a plain
+    step's rows share in one): without it a plain step's price is extrapolated from drafted
+    steps, and once every row drafts it comes out high and keeps them drafting. While every row
+    drafts at one batch size, v cannot be told from a and b; the plain steps the draft-or-not
+    choice runs now and then (`draft_choice.PLAIN_EVERY`) are what identify it.
+    For a batch of n requests the rule sees fixed = a + b * n, per_token = c + g, per_proposal =
+    g (what a bonus token does not pay: it has no proposal's LM head), per_draft = d + v and
+    draft_fixed = e.
     """
 
-    _SCALE = (1.0, 64.0, 1024.0)  # feature scales (both fits)
+    _SCALE = (1.0, 64.0, 1024.0)  # feature scales (the drafting fit)
+    _VERIFY_SCALE = (1.0, 64.0, 1024.0, 64.0)
 
     def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 1e-3, warmup: int = 8):
         self.decay = decay
-        self._verify = _Ridge([prior.fixed, 0.0, prior.per_token], self._SCALE, prior_weight, decay, warmup)
+        self._verify = _Ridge([prior.fixed, 0.0, prior.per_token, 0.0], self._VERIFY_SCALE, prior_weight, decay, warmup)
         self._draft = _Ridge([prior.draft_fixed, prior.per_draft, 0.0], self._SCALE, prior_weight, decay, warmup)
         self._memo: tuple[tuple[int, int, int], StepCostModel] | None = None
 
@@ -70,7 +77,7 @@ class OnlineCostModel:
         drafted `drafted` requests for `proposals` proposals (default: every request, the rest
         of the verified tokens)."""
         drafted = batch_size if drafted is None else drafted
-        self._verify.observe([1.0, batch_size, tokens], seconds)
+        self._verify.observe([1.0, batch_size, tokens, drafted], seconds)
         if drafted > 0 and draft_seconds is not None:
             proposals = tokens - batch_size if proposals is None else proposals
             self._draft.observe([1.0, drafted, proposals], draft_seconds)
@@ -80,8 +87,9 @@ class OnlineCostModel:
         key = (batch_size, self._verify.solves, self._draft.solves)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        a, b, c = verify
+        a, b, c, v = verify
         e, d, g = draft
+        v = max(v, 0.0)  # a drafted row cannot make the verify cheaper: below 0 is the fit's noise
         # a negative part is its collinear partner's share (e.g. b while the batch size never
         # changes): hand it back so the observed steps keep their fitted time
         a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
@@ -95,7 +103,7 @@ class OnlineCostModel:
             fixed=max(a + b * batch_size, 0.0),
             per_token=per_token,
             per_proposal=min(g, per_token * (1 - 1e-6)),
-            per_draft=d,
+            per_draft=d + v,
             draft_fixed=max(e, 0.0),
         )
         self._memo = (key, out)  # asked every step, it changes only when a fit is re-solved
@@ -105,7 +113,7 @@ class OnlineCostModel:
 class _Ridge:
     """Exponentially weighted ridge regression towards a prior, solved lazily when asked.
 
-    Three features: the sufficient statistics are nine plus three floats, updated in plain
+    Three or four features: the sufficient statistics are k * k plus k floats, updated in plain
     Python (a few hundred nanoseconds; the engine pays this on every step, drafting or not,
     and even numpy's per-call overhead showed in the profile of a 4 ms step). The solve runs in
     numpy, after every `refit_every` new observations, not after each: one step moves an

@@ -1,0 +1,85 @@
+"""The lock-in a measured cost model fell into once every row drafted, and what keeps it out.
+
+With every row of a batch drafted at one batch size, no plain step is observed, so a plain
+step's price is extrapolated from drafted steps; on a CPU a drafted row costs the verify an
+attention call of its own, which a plain step's rows share, and the extrapolation came out high
+enough to keep every row drafted where drafting did not pay (benchmarks/adaptive/between/,
+in-domain c=16). The cost model has a drafted-rows term in its verify fit, and the draft-or-not
+choice runs one plain step after PLAIN_EVERY steps that drafted every row, which identifies it.
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from sglang_adaflash.engine.draft_choice import PLAIN_EVERY, DraftChoice
+from sglang_adaflash.planner import SurvivalPosterior
+from sglang_adaflash.planner.cost import OnlineCostModel, StepCostModel
+
+BS = 16
+# the verify phase's true price: 2 ms + 0.3 ms a row + 0.1 ms a token + 0.4 ms a drafted row
+A, B, C, V = 0.002, 0.0003, 0.0001, 0.0004
+PLAIN = A + B * BS + C * BS  # 8.4 ms
+
+
+def _drafted_steps(model: OnlineCostModel, steps: int, *, plain_every: int | None, seed: int = 0) -> None:
+    """Every row drafted at BS rows (3-5 slots each), a plain step every `plain_every` steps, the
+    verify timed with a shared machine's jitter; drafting timed at 1 ms + 0.5 ms a row."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        plain = plain_every is not None and step % (plain_every + 1) == 0
+        drafted = 0 if plain else BS
+        tokens = BS if plain else int(torch.randint(3 * BS, 5 * BS + 1, (1,), generator=g))
+        noise = float(torch.randn(1, generator=g)) * 0.0003
+        verify = A + B * BS + C * tokens + V * drafted + noise
+        model.observe(BS, tokens, verify, drafted=drafted,
+                      draft_seconds=(0.001 + 0.0005 * drafted) if drafted else None,
+                      proposals=tokens - BS)
+
+
+def test_a_plain_step_now_and_then_keeps_the_plain_price_measured():
+    """Steps at the engine's cadence (one plain step after PLAIN_EVERY drafted ones): the plain
+    step's price is within 10% of its true 8.4 ms and a drafted row is priced its verify share
+    too. Control: with no plain step (the lock-in), the plain price is extrapolated over 30% high,
+    which is the error that kept in-domain c=16 drafting."""
+    profile = StepCostModel(fixed=0.006, per_token=0.0001, per_draft=0.0005, draft_fixed=0.001)
+    for seed in range(3):
+        probed, locked = OnlineCostModel(profile), OnlineCostModel(profile)
+        _drafted_steps(probed, 400, plain_every=PLAIN_EVERY, seed=seed)
+        _drafted_steps(locked, 400, plain_every=None, seed=seed)
+        fit = probed.model(BS)
+        assert abs(fit.plain_step(BS) - PLAIN) < 0.1 * PLAIN, (seed, fit)
+        assert abs(fit.per_draft - (0.0005 + V)) < 0.25 * (0.0005 + V), (seed, fit)
+        assert locked.model(BS).plain_step(BS) > 1.3 * PLAIN, (seed, locked.model(BS))
+
+
+def _choice_that_drafts_everyone(bs: int) -> tuple[DraftChoice, list, list[int], StepCostModel]:
+    post = SurvivalPosterior(bs)
+    post.reset(torch.arange(bs), ["code"] * bs)
+    for _ in range(20):  # every row accepts nearly whole blocks
+        post.observe(torch.arange(bs), torch.full((bs,), 0.9), torch.full((bs,), 14), torch.full((bs,), 16))
+    seqs = [SimpleNamespace(since_draft=0, probe_gap=16) for _ in range(bs)]
+    cost = StepCostModel(fixed=0.01, per_token=0.0002, per_draft=0.0002, draft_fixed=0.001)
+    return DraftChoice(post, 16, 2, "cpu"), seqs, [16] * bs, cost
+
+
+def test_the_choice_runs_one_plain_step_after_plain_every_steps_that_draft_every_row():
+    """A batch whose drafts pay is drafted whole every step, except one plain step after each
+    PLAIN_EVERY in a row; with the profile's (unmeasured) cost model there is nothing to measure
+    and no plain step. Control: the steps the measured choice drafts nobody are exactly those."""
+    choice, seqs, caps, cost = _choice_that_drafts_everyone(4)
+    plain = [i for i in range(3 * PLAIN_EVERY + 3) if not choice.choose(seqs, caps, cost, measured=True)[0]]
+    assert plain == [PLAIN_EVERY, 2 * PLAIN_EVERY + 1, 3 * PLAIN_EVERY + 2]
+    choice, seqs, caps, cost = _choice_that_drafts_everyone(4)
+    assert all(choice.choose(seqs, caps, cost, measured=False)[0] == [0, 1, 2, 3]
+               for _ in range(2 * PLAIN_EVERY + 2))
+
+
+def test_a_step_that_leaves_a_row_out_needs_no_plain_probe():
+    """A step that drafts some rows and not others already tells the drafted rows' price from the
+    plain ones': it restarts the count, so a mixed batch pays no plain probe."""
+    choice, seqs, caps, cost = _choice_that_drafts_everyone(4)
+    for i in range(3 * PLAIN_EVERY):
+        capped = [1, 16, 16, 16] if i % 50 == 49 else caps  # row 0 cannot draft (its cap is 1)
+        drafted, _ = choice.choose(seqs, capped, cost, measured=True)
+        assert drafted == ([1, 2, 3] if capped is not caps else [0, 1, 2, 3]), i

@@ -35,7 +35,8 @@ class OnlineCostModel:
     two phases of a step apart, and each phase gets its own exponentially weighted ridge fit
     with the profile as the ridge's centre:
 
-        verify seconds = a + b * batch_size + c * verified_tokens + v * drafted   (every step)
+        verify seconds = a + b * batch_size + c * verified_tokens
+                         + w * [anyone drafted] + v * drafted                     (every step)
         draft seconds  = e + d * drafted + g * proposals                          (steps that draft)
 
     Fitting the drafter's cost from its own timings, rather than out of whole-step times,
@@ -44,23 +45,26 @@ class OnlineCostModel:
     holds more), and a noisy machine can then price the drafter forward at ten times its real
     time and switch off requests whose drafts pay. The batch-size term keeps costs that grow
     with the batch but not with the verify lengths (attention over every context) out of the
-    per-token price. The drafted-rows term prices what a drafted row costs the verify beyond its
-    tokens (on a CPU, its own attention call per layer on the target's ragged path, which a plain
-    step's rows share in one): without it a plain step's price is extrapolated from drafted
-    steps, and once every row drafts it comes out high and keeps them drafting. While every row
-    drafts at one batch size, v cannot be told from a and b; the plain steps the draft-or-not
-    choice runs now and then (`draft_choice.PLAIN_EVERY`) are what identify it.
+    per-token price. The last two terms price what drafting costs the verify beyond its tokens:
+    on a CPU a batch with a multi-token row leaves the one padded attention call of a plain step
+    for the target's ragged path (each multi-token row its own call per layer). Measured on the
+    embedded pair at 8 rows of 120 cached tokens: plain 9.4 ms, one row verifying 4 slots 11.7
+    (+2.4 ms for 3 tokens), every row 4 slots 14.1 (+0.6 ms a row: equal lengths keep one padded
+    call). Without them a plain step's price was extrapolated from drafted steps and came out
+    20-45% high once every row drafted, which kept every row drafted. While every row drafts
+    at one batch size, w and v cannot be told from a and b; the plain steps the draft-or-not
+    choice runs now and then (`draft_choice.PLAIN_EVERY`) are what identify them.
     For a batch of n requests the rule sees fixed = a + b * n, per_token = c + g, per_proposal =
     g (what a bonus token does not pay: it has no proposal's LM head), per_draft = d + v and
-    draft_fixed = e.
+    draft_fixed = e + w.
     """
 
     _SCALE = (1.0, 64.0, 1024.0)  # feature scales (the drafting fit)
-    _VERIFY_SCALE = (1.0, 64.0, 1024.0, 64.0)
+    _VERIFY_SCALE = (1.0, 64.0, 1024.0, 1.0, 64.0)  # 1, n, tokens, anyone drafted, drafted
 
     def __init__(self, prior: StepCostModel, *, decay: float = 0.97, prior_weight: float = 1e-3, warmup: int = 8):
         self.decay = decay
-        self._verify = _Ridge([prior.fixed, 0.0, prior.per_token, 0.0], self._VERIFY_SCALE, prior_weight, decay, warmup)
+        self._verify = _Ridge([prior.fixed, 0.0, prior.per_token, 0.0, 0.0], self._VERIFY_SCALE, prior_weight, decay, warmup)
         self._draft = _Ridge([prior.draft_fixed, prior.per_draft, 0.0], self._SCALE, prior_weight, decay, warmup)
         self._memo: tuple[tuple[int, int, int], StepCostModel] | None = None
 
@@ -77,7 +81,7 @@ class OnlineCostModel:
         drafted `drafted` requests for `proposals` proposals (default: every request, the rest
         of the verified tokens)."""
         drafted = batch_size if drafted is None else drafted
-        self._verify.observe([1.0, batch_size, tokens, drafted], seconds)
+        self._verify.observe([1.0, batch_size, tokens, float(drafted > 0), drafted], seconds)
         if drafted > 0 and draft_seconds is not None:
             proposals = tokens - batch_size if proposals is None else proposals
             self._draft.observe([1.0, drafted, proposals], draft_seconds)
@@ -87,12 +91,14 @@ class OnlineCostModel:
         key = (batch_size, self._verify.solves, self._draft.solves)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        a, b, c, v = verify
+        a, b, c, w, v = verify
         e, d, g = draft
-        v = max(v, 0.0)  # a drafted row cannot make the verify cheaper: below 0 is the fit's noise
-        # a negative part is its collinear partner's share (e.g. b while the batch size never
-        # changes): hand it back so the observed steps keep their fitted time
+        # A negative part is its collinear partner's share (b while the batch size never changes,
+        # w while every step drafts): hand it back so the observed steps keep their fitted time.
+        # A negative v (drafted rows making the verify cheaper) is the fit's noise and is dropped.
+        a, w = a + min(w, 0.0), max(w, 0.0)
         a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
+        v = max(v, 0.0)
         e, d = e + min(d, 0.0), max(d, 0.0)
         # g: the drafter's LM head per proposal, which a row's bonus token does not pay. Charged
         # on every row, it once priced a plain step at in-domain c=32 at about twice its measured
@@ -104,7 +110,7 @@ class OnlineCostModel:
             per_token=per_token,
             per_proposal=min(g, per_token * (1 - 1e-6)),
             per_draft=d + v,
-            draft_fixed=max(e, 0.0),
+            draft_fixed=max(e, 0.0) + w,
         )
         self._memo = (key, out)  # asked every step, it changes only when a fit is re-solved
         return out

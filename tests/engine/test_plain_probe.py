@@ -17,21 +17,23 @@ from sglang_adaflash.planner import SurvivalPosterior
 from sglang_adaflash.planner.cost import OnlineCostModel, StepCostModel
 
 BS = 16
-# the verify phase's true price: 2 ms + 0.3 ms a row + 0.1 ms a token + 0.4 ms a drafted row
-A, B, C, V = 0.002, 0.0003, 0.0001, 0.0004
+# the verify phase's true price: 2 ms + 0.3 ms a row + 0.1 ms a token, and when anyone drafts
+# 2 ms + 0.2 ms a drafted row (the shape measured on the embedded pair: docs in planner/cost.py)
+A, B, C, W, V = 0.002, 0.0003, 0.0001, 0.002, 0.0002
 PLAIN = A + B * BS + C * BS  # 8.4 ms
 
 
 def _drafted_steps(model: OnlineCostModel, steps: int, *, plain_every: int | None, seed: int = 0) -> None:
-    """Every row drafted at BS rows (3-5 slots each), a plain step every `plain_every` steps, the
-    verify timed with a shared machine's jitter; drafting timed at 1 ms + 0.5 ms a row."""
+    """Every row drafted at BS rows (3-5 slots each) but on every 8th step, which drafts 1-3 rows
+    (probes, first reads), a plain step every `plain_every` steps, the verify timed with a shared
+    machine's jitter; drafting timed at 1 ms + 0.5 ms a row."""
     g = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
         plain = plain_every is not None and step % (plain_every + 1) == 0
-        drafted = 0 if plain else BS
-        tokens = BS if plain else int(torch.randint(3 * BS, 5 * BS + 1, (1,), generator=g))
+        drafted = 0 if plain else int(torch.randint(1, 4, (1,), generator=g)) if step % 8 == 0 else BS
+        tokens = BS + sum(int(torch.randint(2, 5, (1,), generator=g)) for _ in range(drafted))
         noise = float(torch.randn(1, generator=g)) * 0.0003
-        verify = A + B * BS + C * tokens + V * drafted + noise
+        verify = A + B * BS + C * tokens + (W + V * drafted if drafted else 0.0) + noise
         model.observe(BS, tokens, verify, drafted=drafted,
                       draft_seconds=(0.001 + 0.0005 * drafted) if drafted else None,
                       proposals=tokens - BS)
@@ -39,18 +41,20 @@ def _drafted_steps(model: OnlineCostModel, steps: int, *, plain_every: int | Non
 
 def test_a_plain_step_now_and_then_keeps_the_plain_price_measured():
     """Steps at the engine's cadence (one plain step after PLAIN_EVERY drafted ones): the plain
-    step's price is within 10% of its true 8.4 ms and a drafted row is priced its verify share
-    too. Control: with no plain step (the lock-in), the plain price is extrapolated over 30% high,
-    which is the error that kept in-domain c=16 drafting."""
+    step's price is within 4% of its true 8.4 ms, and drafting is priced what it costs the verify
+    too (its fixed part and its part per row, within 25%). Control: with no plain step (the
+    lock-in), "anyone drafted" cannot be told from the intercept, and the plain price comes out
+    over 6% high, carrying part of what drafting costs the verify."""
     profile = StepCostModel(fixed=0.006, per_token=0.0001, per_draft=0.0005, draft_fixed=0.001)
     for seed in range(3):
         probed, locked = OnlineCostModel(profile), OnlineCostModel(profile)
         _drafted_steps(probed, 400, plain_every=PLAIN_EVERY, seed=seed)
         _drafted_steps(locked, 400, plain_every=None, seed=seed)
         fit = probed.model(BS)
-        assert abs(fit.plain_step(BS) - PLAIN) < 0.1 * PLAIN, (seed, fit)
+        assert abs(fit.plain_step(BS) - PLAIN) < 0.04 * PLAIN, (seed, fit)
         assert abs(fit.per_draft - (0.0005 + V)) < 0.25 * (0.0005 + V), (seed, fit)
-        assert locked.model(BS).plain_step(BS) > 1.3 * PLAIN, (seed, locked.model(BS))
+        assert abs(fit.draft_fixed - (0.001 + W)) < 0.25 * (0.001 + W), (seed, fit)
+        assert locked.model(BS).plain_step(BS) > 1.06 * PLAIN, (seed, locked.model(BS))
 
 
 def _choice_that_drafts_everyone(bs: int) -> tuple[DraftChoice, list, list[int], StepCostModel]:

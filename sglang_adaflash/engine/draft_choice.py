@@ -36,7 +36,7 @@ class DraftedStep(Protocol):
 MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
 FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
 QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
-PLAIN_EVERY = 64  # steps in a row that drafted every row, after which one step runs plain (a plain probe)
+PLAIN_EVERY = 64  # steps in a row that drafted anyone, after which one step runs plain (a plain probe)
 
 
 class DraftChoice:
@@ -55,7 +55,7 @@ class DraftChoice:
         self.forced_charge: tuple[float, float, float, float] | None = None
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
-        self._since_plain = 0  # steps in a row that drafted every row (see PLAIN_EVERY)
+        self._since_plain = 0  # steps in a row that drafted anyone (see PLAIN_EVERY)
         # the last choice's plan, for an engine that drafts by it (lengths_from="history"):
         self.lengths: torch.Tensor | None = None  # [bs] long on the host: planned verify lengths
         self.rate: torch.Tensor | None = None  # [bs] the posterior survival the plan read
@@ -98,10 +98,11 @@ class DraftChoice:
             self._since_plain = 0
             return [], []
         if measured and self._since_plain >= PLAIN_EVERY:
-            # A plain probe: once every row drafts, no plain step is observed again, and the
+            # A plain probe: while every step drafts someone, no plain step is observed, and the
             # measured cost model can only extrapolate a plain step's price from drafted steps
-            # (see OnlineCostModel's drafted-rows term). One plain step in PLAIN_EVERY keeps it
-            # measured, for at most 1/PLAIN_EVERY of the steps' drafting gain.
+            # (its "anyone drafted" term is then one with its intercept: OnlineCostModel). One
+            # plain step after PLAIN_EVERY keeps it measured, for at most 1/(PLAIN_EVERY + 1)
+            # of the steps' drafting gain.
             self._since_plain = 0
             return [], []
         if due is None:
@@ -127,7 +128,7 @@ class DraftChoice:
                                   cost.plain_step(bs))
         drafted = [i for i, c in enumerate(chosen.tolist()) if c]
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
-        self._since_plain = self._since_plain + 1 if len(drafted) == bs else 0
+        self._since_plain = self._since_plain + 1 if drafted else 0
         return drafted, [i for i in drafted if bool(force[i])]
 
     # The plan's inputs and the plan, as host arrays for choose's bookkeeping: (rate, draw,

@@ -79,11 +79,16 @@ def test_the_choice_runs_one_plain_step_after_plain_every_steps_that_draft_every
                for _ in range(2 * PLAIN_EVERY + 2))
 
 
-def test_a_step_that_leaves_a_row_out_needs_no_plain_probe():
-    """A step that drafts some rows and not others already tells the drafted rows' price from the
-    plain ones': it restarts the count, so a mixed batch pays no plain probe."""
+def test_a_batch_that_drafts_some_rows_every_step_gets_its_plain_probe_too():
+    """Steps that draft some rows and not others cannot tell "anyone drafted" from the intercept
+    either: they count towards the plain probe as whole-batch drafting does. Control: a step that
+    drafts nobody (here every row's cap is 1) restarts the count."""
     choice, seqs, caps, cost = _choice_that_drafts_everyone(4)
-    for i in range(3 * PLAIN_EVERY):
-        capped = [1, 16, 16, 16] if i % 50 == 49 else caps  # row 0 cannot draft (its cap is 1)
-        drafted, _ = choice.choose(seqs, capped, cost, measured=True)
-        assert drafted == ([1, 2, 3] if capped is not caps else [0, 1, 2, 3]), i
+    some = [1, 16, 16, 16]  # row 0 cannot draft (its cap is 1)
+    plain = [i for i in range(PLAIN_EVERY + 1) if not choice.choose(seqs, some, cost, measured=True)[0]]
+    assert plain == [PLAIN_EVERY]
+    choice, seqs, caps, cost = _choice_that_drafts_everyone(4)
+    for i in range(2 * PLAIN_EVERY):
+        none = i % 50 == 49
+        drafted, _ = choice.choose(seqs, [1] * 4 if none else caps, cost, measured=True)
+        assert drafted == ([] if none else [0, 1, 2, 3]), i

@@ -153,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--first-requests", type=_positive_int, default=None,
                       help="requests of the code+prose phase (default 32; --quick 8)")
     loop.add_argument("--rounds", type=_positive_int, default=None,
-                      help="distillation rounds after which the follower stops (default 3; --quick 1)")
+                      help="distillation rounds after which the follower stops (default 5; --quick 1)")
     loop.add_argument("--min-records", type=_positive_int, default=None,
                       help="new traffic records that start a round (default 64; --quick 32)")
     loop.add_argument("--max-records", type=_positive_int, default=None,
-                      help="newest records a round trains on (default 128; --quick 48)")
+                      help="newest records a round trains on (default 320; --quick 48)")
     loop.add_argument("--epochs", type=_positive_int, default=None, help="per round (default 2)")
     loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
     loop.add_argument("--per-version", type=_positive_int, default=None,

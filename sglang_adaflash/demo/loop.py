@@ -64,7 +64,7 @@ class Plan:
     baseline_every: int  # every n-th prompt also goes to plain decoding
 
 
-DEFAULT = Plan(first_requests=32, min_records=64, max_records=128, rounds=3, epochs=2,
+DEFAULT = Plan(first_requests=32, min_records=64, max_records=320, rounds=5, epochs=2,
                head_steps=50, eval_records=16, eval_tokens=64, per_version=48, budget_s=720,
                max_tokens=64, check_prompts=12, replay=16, baseline_every=2)
 QUICK = Plan(first_requests=8, min_records=32, max_records=48, rounds=1, epochs=2,

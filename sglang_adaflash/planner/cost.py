@@ -45,15 +45,15 @@ class OnlineCostModel:
     holds more), and a noisy machine can then price the drafter forward at ten times its real
     time and switch off requests whose drafts pay. The batch-size term keeps costs that grow
     with the batch but not with the verify lengths (attention over every context) out of the
-    per-token price. The last two terms price what drafting costs the verify beyond its tokens:
-    on a CPU a batch with a multi-token row leaves the one padded attention call of a plain step
-    for the target's ragged path (each multi-token row its own call per layer). Measured on the
-    embedded pair at 8 rows of 120 cached tokens: plain 9.4 ms, one row verifying 4 slots 11.7
-    (+2.4 ms for 3 tokens), every row 4 slots 14.1 (+0.6 ms a row: equal lengths keep one padded
-    call). Without them a plain step's price was extrapolated from drafted steps and came out
-    20-45% high once every row drafted, which kept every row drafted. While every row drafts
-    at one batch size, w and v cannot be told from a and b; the plain steps the draft-or-not
-    choice runs now and then (`draft_choice.PLAIN_EVERY`) are what identify them.
+    per-token price. The last two terms price what drafting costs the verify beyond its tokens: on a
+    CPU a batch with a multi-token row leaves the one padded attention call of a plain step for the
+    target's ragged path (each multi-token row its own call per layer). Measured on the embedded
+    pair at 8 rows of 120 cached tokens (benchmarks/adaptive/verify_shape.py): plain 9.8 ms, one row
+    verifying 4 slots 11.8, every row 4 slots 15.2 (+0.7 ms a row: equal lengths keep one padded
+    call). Without them a plain step's price was extrapolated from drafted steps and came out 20-45%
+    high once every row drafted, which kept every row drafted. While every row drafts at one batch
+    size, w and v cannot be told from a and b; the plain steps the draft-or-not choice runs now and
+    then (`draft_choice.PLAIN_EVERY`) are what identify them.
     For a batch of n requests the rule sees fixed = a + b * n, per_token = c + g, per_proposal =
     g (what a bonus token does not pay: it has no proposal's LM head), per_draft = d + v and
     draft_fixed = e + w.
@@ -119,10 +119,10 @@ class OnlineCostModel:
 class _Ridge:
     """Exponentially weighted ridge regression towards a prior, solved lazily when asked.
 
-    Three or four features: the sufficient statistics are k * k plus k floats, updated in plain
-    Python (a few hundred nanoseconds; the engine pays this on every step, drafting or not,
-    and even numpy's per-call overhead showed in the profile of a 4 ms step). The solve runs in
-    numpy, after every `refit_every` new observations, not after each: one step moves an
+    Three features (drafting) or five (verify): the sufficient statistics are k * k plus k floats,
+    updated in plain Python (a few hundred nanoseconds; the engine pays this on every step, drafting
+    or not, and even numpy's per-call overhead showed in the profile of a 4 ms step). The solve runs
+    in numpy, after every `refit_every` new observations, not after each: one step moves an
     exponentially weighted fit very little.
     """
 

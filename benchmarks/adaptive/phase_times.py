@@ -1,0 +1,88 @@
+"""Where adaflash's time goes beside ar's in one cell of the adaptive benchmark: the engine's
+phases (prefill, choice, drafting, verify, context, commit) timed around their methods, for
+`ar` and `adaflash` alternately, each run with a cold calibration state as run.py's.
+
+    python benchmarks/adaptive/phase_times.py --concurrency 64 --workload mixed --out benchmarks/adaptive/phase_times_mixed_c64.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
+sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
+
+from run import cell_requests, workloads  # noqa: E402
+
+from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
+from sglang_adaflash.launch.loading import load_pair  # noqa: E402
+from sglang_adaflash.launch.prompts import resolve_prompt_ids  # noqa: E402
+from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
+
+PHASES = ("_prefill", "_decode_step", "_choose_drafted", "_draft", "_catch_up", "_verify_step",
+          "_update_context", "_commit", "_retire")
+
+
+def _timed(method, name: str, seconds: dict, calls: collections.Counter):
+    """method, wrapped to add its wall time and one call under name."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - t0
+            calls[name] += 1
+
+    return timed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--workload", default="mixed", choices=("in_domain", "math", "mixed"))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pair = load_pair(TARGET_DIR, str(DRAFTER_DIR), dtype="float32")
+    prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in workloads(16)[args.workload]]
+    c = args.concurrency
+    n = max(2 * c, len(prompts))
+    max_seq = max(len(p) for p, _ in prompts) + 64
+    runs = []
+    for mode in ("ar", "adaflash") * args.repeats:
+        eng = make_engine(pair, mode, c, max_seq, 0, num_requests=n)
+        eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])  # run.py's warm-up
+        if mode == "adaflash":
+            eng.posterior = SurvivalPosterior(eng.max_batch_size, device=eng.device)
+        seconds, calls = collections.defaultdict(float), collections.Counter()
+        for name in PHASES:
+            if hasattr(eng, name):
+                setattr(eng, name, _timed(getattr(eng, name), name, seconds, calls))
+        t0 = time.perf_counter()
+        outs = eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids)))
+        total = time.perf_counter() - t0
+        tokens = sum(len(o.output_ids) for o in outs)
+        run = {"mode": mode, "seconds": round(total, 3), "tok_s": round(tokens / total, 1),
+               "phases": {k: {"calls": calls[k], "seconds": round(v, 3)} for k, v in seconds.items()}}
+        runs.append(run)
+        print(mode, f"{run['tok_s']} tok/s in {total:.2f} s",
+              {k: (v["calls"], v["seconds"]) for k, v in run["phases"].items()}, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(["benchmarks/adaptive/phase_times.py", *sys.argv[1:]]),
+                                              "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

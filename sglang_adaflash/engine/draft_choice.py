@@ -37,6 +37,7 @@ MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_eve
 FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
 QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
 PLAIN_EVERY = 64  # steps in a row that drafted anyone, after which one step runs plain (a plain probe)
+LONG_SHOT_SHARE = 0.25  # of the probe credit, where not even the batch's best row pays (could_pay)
 
 
 class DraftChoice:
@@ -56,6 +57,7 @@ class DraftChoice:
         self._quiet_plan: int | None = None  # batch size of the last "draft nobody" plan
         self._quiet_steps = 0
         self._since_plain = 0  # steps in a row that drafted anyone (see PLAIN_EVERY)
+        self._could_pay_memo: tuple | None = None  # (key, answer, cost, posterior) of the last _could_pay
         # the last choice's plan, for an engine that drafts by it (lengths_from="history"):
         self.lengths: torch.Tensor | None = None  # [bs] long on the host: planned verify lengths
         self.rate: torch.Tensor | None = None  # [bs] the posterior survival the plan read
@@ -82,8 +84,8 @@ class DraftChoice:
         # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
         bs = len(seqs)
         row = cost.per_draft + cost.per_token * max(self.min_len - 1, 1)  # one probe row's price
-        self.credit = min(self.credit + self.probe_share * cost.plain_step(bs),
-                          cost.draft_fixed + row * bs)
+        share = self.probe_share if self._could_pay(bs, cost) else self.probe_share * LONG_SHOT_SHARE
+        self.credit = min(self.credit + share * cost.plain_step(bs), cost.draft_fixed + row * bs)
         gap = self.probe_every
 
         def due_rows() -> list[int]:
@@ -130,6 +132,49 @@ class DraftChoice:
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         self._since_plain = self._since_plain + 1 if drafted else 0
         return drafted, [i for i in drafted if bool(force[i])]
+
+    def _could_pay(self, bs: int, cost: StepCostModel) -> bool:
+        """could_pay, asked every step: it changes only with the batch size, a re-solved cost
+        model (a new object) or new evidence, so it is recomputed only then."""
+        post = self.posterior
+        key = (bs, id(cost), id(post), post.version)
+        if self._could_pay_memo is None or self._could_pay_memo[0] != key:
+            # cost and posterior are kept with the answer, so their ids cannot be reused meanwhile
+            self._could_pay_memo = (key, self.could_pay(bs, cost), cost, post)
+        return self._could_pay_memo[1]
+
+    def could_pay(self, bs: int, cost: StepCostModel) -> bool:
+        """Whether drafting could pay at this batch size for rows as good as its best known row.
+
+        A probe asks whether a request that drafts nothing has started to accept again. Where a
+        batch of `bs` rows, every one with the survival (and its domain's profile along the
+        block) of the batch's best known row, would still run faster plain than drafted at any
+        length, only a request far better than anything the batch shows would make a probe
+        pay: a long shot, and probing then costs without changing the plan (at mixed c=64 on
+        the embedded pair, probes and their catch-up took about 3% of a run that drafted
+        nothing). Probes then get LONG_SHOT_SHARE of their credit, not none: a request that
+        starts repeating itself can still be noticed, later. First reads are not affected.
+        """
+        if self.host:
+            rate, known = self.posterior.estimate_on_host(bs)
+        else:
+            r, k = self.posterior.estimate(torch.arange(bs, device=self.device))
+            rate, known = r.float().cpu().numpy(), k.cpu().numpy()
+        if not known.any():
+            return True
+        best = int(np.where(known, rate, -1.0).argmax())
+        width = self.block_size - 1
+        if self.host:
+            profile = self.posterior.per_slot_on_host(best + 1, np.full(best + 1, rate[best], np.float32), width)[best]
+        else:
+            slot = torch.tensor([best], device=self.device)
+            profile = self.posterior.per_slot(slot, torch.tensor([float(rate[best])], device=self.device),
+                                              width)[0].cpu().numpy()
+        lens = np.arange(1, self.block_size + 1, dtype=np.float64)
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(profile.astype(np.float64)))])
+        row_cost = cost.per_token * lens - cost.per_proposal + cost.per_draft * (lens > 1)
+        value = bs * gains / (cost.fixed + cost.draft_fixed * (lens > 1) + bs * row_cost)
+        return bool(value[min(max(self.min_len, 2), self.block_size) - 1:].max() > value[0])
 
     # The plan's inputs and the plan, as host arrays for choose's bookkeeping: (rate, draw,
     # force, lengths), each [bs]. It also keeps the plan for the engine (lengths, rate).

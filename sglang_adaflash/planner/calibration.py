@@ -76,6 +76,7 @@ class SurvivalPosterior:
         self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
         self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
+        self.version = 0  # counts changes of the evidence: what a reader may key a cached answer by
 
     def domain_id(self, domain: str | None) -> int:
         """A stable small id per domain name; beyond max_domains names share the unknown pool."""
@@ -86,6 +87,7 @@ class SurvivalPosterior:
 
     def reset(self, slots: torch.Tensor, domains: list[str | None]) -> None:
         """New requests in these slots: no history of their own."""
+        self.version += 1
         self.counts[slots] = 0
         ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
         self.slot_domain[slots] = ids.to(self.slot_domain.device)
@@ -93,11 +95,13 @@ class SurvivalPosterior:
     def forget(self) -> None:
         """Drop every request's and domain's evidence (a new drafter now serves: what the old
         one's proposals did says little about the new one's). Slots keep their domains."""
+        self.version += 1
         self.counts.zero_()
         self.domain_counts.zero_()
         self.slot_counts.zero_()
 
     def move(self, src: int, dst: int) -> None:
+        self.version += 1
         self.counts[dst] = self.counts[src]
         self.slot_domain[dst] = self.slot_domain[src]
 
@@ -179,6 +183,7 @@ class SurvivalPosterior:
         verify_lens: torch.Tensor,
     ) -> None:
         """Fold one verify step in. Rows that verified no proposal (L = 1) carry no evidence."""
+        self.version += 1
         if self.host:
             self._observe_on_host(slots.numpy(), head_survival.numpy(), num_accepted.numpy(), verify_lens.numpy())
             return

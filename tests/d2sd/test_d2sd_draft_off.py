@@ -9,6 +9,7 @@ import torch
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.d2sd.engine import D2SDEngine
 from sglang_adaflash.d2sd.tree import Branch
+from sglang_adaflash.engine import draft_choice
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.planner.cost import StepCostModel
@@ -232,6 +233,8 @@ def test_every_position_follows_the_target_at_t_above_zero_with_draft_off(wrong,
     Control: plain steps that do not tell the verifier which rows sample are rejected."""
     if wrong:
         monkeypatch.setattr(D2SDEngine, "_with_sampling", lambda self, spec, seqs: spec)
+    # the full probe credit even where no row pays (draft_choice.could_pay): this test needs the mix
+    monkeypatch.setattr(draft_choice, "LONG_SHOT_SHARE", 1.0)
     target, drafter, recovery = sampling_models()
     eng = D2SDEngine(target, drafter, recovery, tree_k=2, branch_len=2, draft_off=True, max_batch_size=8,
                      max_seq_len=32, seed=321, cost_model=DEAR_DRAFTS, probe_every=2, probe_share=1.0)

@@ -1,0 +1,121 @@
+"""What drafting on and off costs, priced as it is: probes where no row could pay, and catch-up.
+
+Two ways the draft-or-not choice used to pay for drafting it did not get:
+- probes at batch sizes where not even the batch's best row would pay drafted (at mixed c=64 on
+  the embedded pair they and their catch-up took about 3% of a run that drafted nothing);
+- a row drafted again after steps off first projects the context it queued meanwhile, and the
+  drafting fit priced that as drafting: on-and-off drafting looked dearer than steady drafting,
+  and at in-domain c=4 the rule, once off, stayed mostly off.
+"""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_adaflash.core.sampling import SamplingParams
+from sglang_adaflash.engine import draft_choice
+from sglang_adaflash.engine.draft_choice import DraftChoice
+from sglang_adaflash.engine.engine import SpecEngine
+from sglang_adaflash.engine.request import Request
+from sglang_adaflash.planner import SurvivalPosterior
+from sglang_adaflash.planner.cost import OnlineCostModel, StepCostModel
+
+from .test_lossless_greedy import _prompts
+
+# a step that a batch's size dominates (compute-bound verify): a verified token costs what it costs
+TOKEN_BOUND = StepCostModel(fixed=0.0005, per_token=0.001, per_draft=0.0005, draft_fixed=0.001)
+# a step its fixed part dominates (one request, memory-bound): proposals are nearly free
+FIXED_BOUND = StepCostModel(fixed=0.02, per_token=0.0002, per_draft=0.0005, draft_fixed=0.001)
+
+
+def _posterior(bs: int, accepted: list[int], block: int = 16) -> SurvivalPosterior:
+    """Every row of domain "d" with a history of accepting accepted[i] of block - 1 proposals."""
+    post = SurvivalPosterior(bs)
+    post.reset(torch.arange(bs), ["d"] * bs)
+    for _ in range(20):
+        post.observe(torch.arange(bs), torch.full((bs,), 0.5), torch.tensor(accepted), torch.full((bs,), block))
+    return post
+
+
+def test_could_pay_reads_the_batchs_best_row_and_the_step_cost():
+    """A batch whose best row accepts nearly whole blocks could pay where a step's fixed part
+    dominates, not where every verified token costs its full share; a batch whose rows all
+    accept nothing could not pay at either. Control: the best row alone decides (the same batch
+    without it could not pay)."""
+    good = DraftChoice(_posterior(8, [0] * 7 + [14]), 16, 2, "cpu")
+    assert good.could_pay(8, FIXED_BOUND)
+    assert not good.could_pay(8, TOKEN_BOUND)
+    bad = DraftChoice(_posterior(8, [0] * 8), 16, 2, "cpu")
+    assert not bad.could_pay(8, FIXED_BOUND)
+    assert not bad.could_pay(8, TOKEN_BOUND)
+    # a row with no history, in a domain with none, is no evidence: nothing rules drafting out
+    cold = SurvivalPosterior(4)
+    cold.reset(torch.arange(4), ["new"] * 4)
+    assert DraftChoice(cold, 16, 2, "cpu").could_pay(4, TOKEN_BOUND)
+
+
+def _probes(choice: DraftChoice, bs: int, cost: StepCostModel, steps: int) -> int:
+    """Rows drafted over `steps` steps where every row's drafts fail (each probe finds nothing)."""
+    seqs = [SimpleNamespace(since_draft=0, probe_gap=choice.probe_every) for _ in range(bs)]
+    caps = [16] * bs
+    forced = 0
+    for _ in range(steps):
+        drafted, probes = choice.choose(seqs, caps, cost, measured=False)
+        assert drafted == probes  # nothing here is drafted for its own sake
+        forced += len(probes)
+        for i, s in enumerate(seqs):
+            if i in drafted:
+                s.probe_gap, s.since_draft = choice.next_probe_gap(s.probe_gap, True), 0
+            else:
+                s.since_draft += 1
+    return forced
+
+
+@pytest.mark.parametrize("cost", [TOKEN_BOUND, FIXED_BOUND])
+def test_where_no_row_could_pay_probes_get_a_quarter_of_their_credit(cost, monkeypatch):
+    """16 rows that accept nothing, 2,000 steps: probes still run (a request that starts
+    accepting is still noticed), on about LONG_SHOT_SHARE of the credit they get where a row
+    could pay. Control: with the full share where no row could pay (the old choice), the same
+    batch probes at least three times as often."""
+    post = _posterior(16, [0] * 16)
+    long_shot = _probes(DraftChoice(post, 16, 2, "cpu", probe_every=4), 16, cost, 2000)
+    monkeypatch.setattr(draft_choice, "LONG_SHOT_SHARE", 1.0)
+    full = _probes(DraftChoice(post, 16, 2, "cpu", probe_every=4), 16, cost, 2000)
+    assert long_shot > 0
+    assert 3 * long_shot <= full, (long_shot, full)
+
+
+def test_the_drafting_fit_does_not_see_a_rows_catch_up(target, drafter, monkeypatch):
+    """Draft-off with a measured cost model and a drafter that accepts nothing: rows are drafted
+    on probes only, each after steps off, so each first catches its queued context up. That
+    catch-up is made to take 30 ms here; the drafting fit must not see it (a drafted step's
+    drafting is otherwise a few ms on this pair), while the step's own drafting time does.
+    Control: the engine's drafting time includes the catch-ups."""
+    slow = 0.03
+    catch_up = SpecEngine._catch_up
+
+    def slow_catch_up(self, seqs, rows, uncommitted=0):
+        if any(seqs[i].pending or seqs[i].prompt_feats is not None for i in rows):
+            time.sleep(slow)
+        return catch_up(self, seqs, rows, uncommitted)
+
+    fitted: list[float] = []
+    observe = OnlineCostModel.observe
+
+    def spy(self, batch_size, tokens, seconds, drafted=None, draft_seconds=None, proposals=None):
+        if drafted and draft_seconds is not None:
+            fitted.append(draft_seconds)
+        return observe(self, batch_size, tokens, seconds, drafted, draft_seconds, proposals)
+
+    monkeypatch.setattr(SpecEngine, "_catch_up", slow_catch_up)
+    monkeypatch.setattr(OnlineCostModel, "observe", spy)
+    monkeypatch.setattr("sglang_adaflash.engine.engine.profile_step_cost", lambda eng: FIXED_BOUND)
+    eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=3, max_seq_len=160, probe_every=4,
+                     probe_share=1.0, cost_model=None)
+    eng.run([Request(p, SamplingParams(max_new_tokens=40)) for p in _prompts(3, seed=13)])
+    slept = eng.stats.draft_seconds
+    assert len(fitted) >= 5, fitted
+    assert max(fitted) < slow, fitted
+    assert slept > 5 * slow, slept  # the catch-ups did run, inside the steps' drafting time

@@ -192,9 +192,9 @@ class D2SDEngine(SpecEngine):
             self.tree_stats["plain_steps"] += 1
             self.tree_stats["idle_rows"] += bs
             return
-        tc = time.perf_counter()
+        backlog = self._backlog_seconds
         forced_catch_up = self._catch_up_drafted(seqs, drafted, probes) if self._draft_off else 0.0
-        catch_up = time.perf_counter() - tc  # steady drafting's deferred work: not in the drafting fit
+        backlog = self._backlog_seconds - backlog  # steady drafting's deferred work: not in the drafting fit
         trees = [build_row(s.last_token, [], []) for s in seqs]
         self._raw_conf = {}
         if drafted:
@@ -234,7 +234,7 @@ class D2SDEngine(SpecEngine):
         self.stats.verify_seconds += t2 - t1
         self.tree_stats["steps"] += 1
         if self._online_cost is not None:
-            self._online_cost.observe(bs, verified, t2 - t1, drafted=len(drafted), draft_seconds=t1 - t0 - catch_up,
+            self._online_cost.observe(bs, verified, t2 - t1, drafted=len(drafted), draft_seconds=t1 - t0 - backlog,
                                       proposals=verified - bs)
 
     def _extend_contexts(self, seqs, drafted: list[int], feats: torch.Tensor, starts: torch.Tensor) -> None:

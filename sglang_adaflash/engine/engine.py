@@ -75,7 +75,7 @@ class SpecBatch(SpecMetadata):
     survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
     draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
     forced_catch_up_seconds: float = 0.0  # the catch-up of forced rows riding along (timed apart)
-    catch_up_seconds: float = 0.0  # every drafted row's catch-up (part of draft_seconds; see _draft_rows)
+    catch_up_seconds: float = 0.0  # the drafted rows' backlog catch-up (part of draft_seconds; see _catch_up)
 
     def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
@@ -207,6 +207,7 @@ class SpecEngine:
         self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
         self._pending: torch.Tensor | None = None  # [slots, choice.max_pending, K*H] (see _catch_up)
+        self._backlog_seconds = 0.0  # time _catch_up spent on queued backlogs, in all (see there)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
         self._cost_warm = False  # the first decode step (a cold one) is not fitted
@@ -441,8 +442,8 @@ class SpecEngine:
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         if self._online_cost is not None and self._cost_warm:
-            # the drafting fit prices a drafted step as steady drafting: without its catch-up
-            # (see _draft_rows)
+            # the drafting fit prices a drafted step as steady drafting: without its backlog
+            # catch-up (see _catch_up)
             self._online_cost.observe(len(seqs), verified, t2 - t0 - spec.draft_seconds, drafted=len(spec.drafted),
                                       draft_seconds=spec.draft_seconds - spec.catch_up_seconds,
                                       proposals=verified - len(seqs))
@@ -472,18 +473,14 @@ class SpecEngine:
             return SpecBatch.plain(bs, self.device)
         cap = torch.tensor(caps, dtype=torch.long)
         t0 = time.perf_counter()
-        # A row drafted again after some steps off first projects the context it queued meanwhile
-        # (_catch_up): drafting's deferred per-step work, not a price of drafting it this step.
-        # Fitted as one (the drafting fit), it priced on-and-off drafting above steady drafting,
-        # and at in-domain c=4 the rule, once off, stayed mostly off: 1.04x `ar` against 1.10x.
-        behind = any(seqs[i].pending or seqs[i].prompt_feats is not None for i in drafted)
+        backlog = self._backlog_seconds
         forced_catch_up = self._catch_up_drafted(seqs, drafted, probes)
-        catch_up = synced_time(self.device) - t0 if behind else 0.0  # no sync when nothing was behind
+        backlog = self._backlog_seconds - backlog
         last = torch.tensor([seqs[i].last_token for i in drafted], device=self.device)
         ctx = torch.tensor([seqs[i].cache_len for i in drafted], device=self.device)
         histories = [seqs[i].req.prompt_ids + seqs[i].output for i in drafted]
         spec = SpecBatch(torch.ones(bs, dtype=torch.long), drafted=drafted, probes=probes,
-                         forced_catch_up_seconds=forced_catch_up, catch_up_seconds=catch_up)
+                         forced_catch_up_seconds=forced_catch_up, catch_up_seconds=backlog)
         if self._plan_first:  # lengths first, then only the slots they verify
             self._planned_lengths(spec, cap)
             k = int(spec.lengths.max()) - 1
@@ -596,6 +593,13 @@ class SpecEngine:
         late = [i for i in rows if seqs[i].pending]
         if not late or self._pending is None:
             return
+        # A row drafted again after steps off projects its backlog here: drafting's deferred
+        # per-step work, which steady drafting pays a step at a time. Fitted as a drafted step's
+        # price (the drafting fit), it priced on-and-off drafting above steady drafting, and at
+        # in-domain c=4 the rule, once off, stayed mostly off: 1.04x `ar` against 1.10x. So its
+        # time is counted apart. A prompt's context (above) stays in the fit: a request's first
+        # draft pays it whether it then drafts steadily or not.
+        t0 = synced_time(self.device)
         width = max(seqs[i].pending for i in late)
         index = torch.tensor(late, dtype=torch.long, device=self.device)
         # the backlog ends at the newest queued token: cache_len, or beyond it by `uncommitted`
@@ -604,6 +608,7 @@ class SpecEngine:
         self.proposer.extend_context(self._pending[index, :width], starts, late)
         for i in late:
             seqs[i].pending = 0
+        self._backlog_seconds += synced_time(self.device) - t0
 
     def _update_context(self, seqs, spec: SpecBatch, aux, batch: TargetBatch, committed: list[list[int]]) -> None:
         """Drafted rows extend the drafter's context now; the others queue it (see _catch_up).

@@ -87,19 +87,22 @@ def test_where_no_row_could_pay_probes_get_a_quarter_of_their_credit(cost, monke
     assert 3 * long_shot <= full, (long_shot, full)
 
 
-def test_the_drafting_fit_does_not_see_a_rows_catch_up(target, drafter, monkeypatch):
+def test_the_drafting_fit_does_not_see_a_rows_backlog_catch_up(target, drafter, monkeypatch):
     """Draft-off with a measured cost model and a drafter that accepts nothing: rows are drafted
-    on probes only, each after steps off, so each first catches its queued context up. That
-    catch-up is made to take 10 ms more here; the drafting fit must not see it (a drafted step's
-    drafting is otherwise about 2 ms on this pair), while the step's own drafting time does.
-    Control: the engine's drafting time includes the catch-ups."""
+    on probes only, each after steps off, so each first projects its queued backlog into the
+    drafter's context. That projection is made to take 10 ms more here; the drafting fit must
+    not see it (a drafted step's drafting is otherwise about 2 ms on this pair), while the step's
+    own drafting time does. Control: the engine's drafting time includes the catch-ups."""
     slow = 0.01
+    catching_up = [False]
     catch_up = SpecEngine._catch_up
 
-    def slow_catch_up(self, seqs, rows, uncommitted=0):
-        if any(seqs[i].pending or seqs[i].prompt_feats is not None for i in rows):
-            time.sleep(slow)
-        return catch_up(self, seqs, rows, uncommitted)
+    def marked_catch_up(self, seqs, rows, uncommitted=0):
+        catching_up[0] = True
+        try:
+            return catch_up(self, seqs, rows, uncommitted)
+        finally:
+            catching_up[0] = False
 
     fitted: list[float] = []
     observe = OnlineCostModel.observe
@@ -109,14 +112,23 @@ def test_the_drafting_fit_does_not_see_a_rows_catch_up(target, drafter, monkeypa
             fitted.append(draft_seconds)
         return observe(self, batch_size, tokens, seconds, drafted, draft_seconds, proposals)
 
-    monkeypatch.setattr(SpecEngine, "_catch_up", slow_catch_up)
+    monkeypatch.setattr(SpecEngine, "_catch_up", marked_catch_up)
     monkeypatch.setattr(OnlineCostModel, "observe", spy)
     monkeypatch.setattr(draft_choice, "LONG_SHOT_SHARE", 1.0)  # probes as often as the credit allows
     monkeypatch.setattr("sglang_adaflash.engine.engine.profile_step_cost", lambda eng: FIXED_BOUND)
     eng = SpecEngine(target, drafter, mode="adaflash", max_batch_size=3, max_seq_len=240, probe_every=4,
                      probe_share=1.0, cost_model=None)
+    extend = eng.proposer.extend_context
+    backlogs = [0]
+
+    def slow_backlog(feats, starts, slots):
+        if catching_up[0] and int(starts.min()) > 0:  # a backlog (a prompt's context starts at 0)
+            backlogs[0] += 1
+            time.sleep(slow)
+        return extend(feats, starts, slots)
+
+    eng.proposer.extend_context = slow_backlog
     eng.run([Request(p, SamplingParams(max_new_tokens=120)) for p in _prompts(3, seed=13)])
-    slept = eng.stats.draft_seconds
-    assert len(fitted) >= 5, fitted
+    assert backlogs[0] >= 5 and len(fitted) >= 5, (backlogs, fitted)
     assert max(fitted) < slow, fitted
-    assert slept > 5 * slow, slept  # the catch-ups did run, inside the steps' drafting time
+    assert eng.stats.draft_seconds > backlogs[0] * slow  # the catch-ups did run, inside the steps' drafting

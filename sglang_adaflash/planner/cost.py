@@ -53,7 +53,8 @@ class OnlineCostModel:
     call). Without them a plain step's price was extrapolated from drafted steps and came out 20-45%
     high once every row drafted, which kept every row drafted. While every row drafts at one batch
     size, w and v cannot be told from a and b; the plain steps the draft-or-not choice runs now and
-    then (`draft_choice.PLAIN_EVERY`) are what identify them.
+    then (`draft_choice.plain_wait`) are what identify them. A row's backlog catch-up is kept out of
+    the drafting fit (the engine's `_catch_up` says why).
     For a batch of n requests the rule sees fixed = a + b * n, per_token = c + g, per_proposal =
     g (what a bonus token does not pay: it has no proposal's LM head), per_draft = d + v and
     draft_fixed = e + w.

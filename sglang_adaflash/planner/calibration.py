@@ -150,6 +150,38 @@ class SurvivalPosterior:
                          np.float32(1.0))
         return np.clip(rate.astype(np.float32)[:, None] * shape, np.float32(0.0), np.float32(1 - _EPS))
 
+    def best_known(self, n: int, width: int) -> np.ndarray | None:
+        """[width] float32: the best evidence held, per proposal along the block; None if none.
+
+        The highest survival rate of any domain with evidence, or of cache slots 0..n-1 (a
+        request can do better than its domain), shaped by that domain's profile as
+        :meth:`per_slot` shapes a request's. What a request would have to beat for drafting it
+        to be a long shot (draft_choice.could_pay). Read on the host."""
+        dom = self.domain_counts.cpu().numpy()
+        trials = dom[:, 0] + dom[:, 1]
+        hw = np.float32(self.head_weight)
+        head_mean = dom[:, 2] / np.maximum(trials, np.float32(_EPS))
+        domain_rate = np.where(trials > 0.5, (dom[:, 0] + hw * head_mean) / (trials + hw), -1.0)
+        if self.host:
+            rate, known = self.estimate_on_host(n)
+        else:
+            r, k = self.estimate(torch.arange(n, device=self.counts.device))
+            rate, known = r.float().cpu().numpy(), k.cpu().numpy()
+        row_rate = np.where(known, rate, -1.0)
+        best_domain = int(domain_rate.argmax())
+        if n and row_rate.max() > domain_rate[best_domain]:
+            best, domain = float(row_rate.max()), int(self.slot_domain[int(row_rate.argmax())])
+        else:
+            best, domain = float(domain_rate[best_domain]), best_domain
+        if best < 0:
+            return None
+        c = self.slot_counts[domain, :width].cpu().numpy()
+        acc, reached = c[:, 0], c[:, 1]
+        mean = acc.sum() / max(float(reached.sum()), _EPS)
+        k = np.float32(self.profile_weight)
+        shape = (acc + k * mean) / (reached + k) / max(mean, _EPS) if reached.sum() > 0.5 else np.ones(width)
+        return np.clip(np.float32(best) * shape, 0.0, 1 - _EPS).astype(np.float32)
+
     def sample(self, slots: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A draw of each slot's survival from its posterior (normal with the Beta's mean and
         variance, clipped to [0, 1)): planning with draws instead of means drafts a request in

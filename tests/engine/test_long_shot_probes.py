@@ -56,6 +56,20 @@ def test_could_pay_reads_the_batchs_best_row_and_the_step_cost():
     assert DraftChoice(cold, 16, 2, "cpu").could_pay(4, TOKEN_BOUND)
 
 
+def test_a_lone_failing_row_is_no_long_shot_where_another_domain_pays():
+    """At c=1 the batch's best row is the row itself: a request whose last blocks failed must
+    still get its full probes where the drafter has shown, on another domain, acceptance that
+    would pay at this batch size (the bound is the best evidence held, not the batch's).
+    Control: with no domain but its own, the same failing row is a long shot."""
+    post = _posterior(4, [14] * 4)  # domain "d" pays
+    post.reset(torch.tensor([0]), ["other"])
+    for _ in range(20):
+        post.observe(torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0]), torch.tensor([16]))
+    assert DraftChoice(post, 16, 2, "cpu").could_pay(1, FIXED_BOUND)
+    alone = _posterior(1, [0])
+    assert not DraftChoice(alone, 16, 2, "cpu").could_pay(1, FIXED_BOUND)
+
+
 def _probes(choice: DraftChoice, bs: int, cost: StepCostModel, steps: int) -> int:
     """Rows drafted over `steps` steps where every row's drafts fail (each probe finds nothing)."""
     seqs = [SimpleNamespace(since_draft=0, probe_gap=choice.probe_every) for _ in range(bs)]

@@ -76,7 +76,6 @@ class SurvivalPosterior:
         self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
         self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
-        self.version = 0  # counts changes of the evidence: what a reader may key a cached answer by
 
     def domain_id(self, domain: str | None) -> int:
         """A stable small id per domain name; beyond max_domains names share the unknown pool."""
@@ -87,7 +86,6 @@ class SurvivalPosterior:
 
     def reset(self, slots: torch.Tensor, domains: list[str | None]) -> None:
         """New requests in these slots: no history of their own."""
-        self.version += 1
         self.counts[slots] = 0
         ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
         self.slot_domain[slots] = ids.to(self.slot_domain.device)
@@ -95,13 +93,11 @@ class SurvivalPosterior:
     def forget(self) -> None:
         """Drop every request's and domain's evidence (a new drafter now serves: what the old
         one's proposals did says little about the new one's). Slots keep their domains."""
-        self.version += 1
         self.counts.zero_()
         self.domain_counts.zero_()
         self.slot_counts.zero_()
 
     def move(self, src: int, dst: int) -> None:
-        self.version += 1
         self.counts[dst] = self.counts[src]
         self.slot_domain[dst] = self.slot_domain[src]
 
@@ -157,7 +153,7 @@ class SurvivalPosterior:
         request can do better than its domain), shaped by that domain's profile as
         :meth:`per_slot` shapes a request's. What a request would have to beat for drafting it
         to be a long shot (draft_choice.could_pay). Read on the host."""
-        dom = self.domain_counts.cpu().numpy()
+        dom = self.domain_counts.cpu().numpy()  # no copy on a CPU
         trials = dom[:, 0] + dom[:, 1]
         hw = np.float32(self.head_weight)
         head_mean = dom[:, 2] / np.maximum(trials, np.float32(_EPS))
@@ -170,12 +166,12 @@ class SurvivalPosterior:
         row_rate = np.where(known, rate, -1.0)
         best_domain = int(domain_rate.argmax())
         if n and row_rate.max() > domain_rate[best_domain]:
-            best, domain = float(row_rate.max()), int(self.slot_domain[int(row_rate.argmax())])
+            best, domain = float(row_rate.max()), int(self.slot_domain.cpu().numpy()[int(row_rate.argmax())])
         else:
             best, domain = float(domain_rate[best_domain]), best_domain
         if best < 0:
             return None
-        c = self.slot_counts[domain, :width].cpu().numpy()
+        c = self.slot_counts.cpu().numpy()[domain, :width]
         acc, reached = c[:, 0], c[:, 1]
         mean = acc.sum() / max(float(reached.sum()), _EPS)
         k = np.float32(self.profile_weight)
@@ -215,7 +211,6 @@ class SurvivalPosterior:
         verify_lens: torch.Tensor,
     ) -> None:
         """Fold one verify step in. Rows that verified no proposal (L = 1) carry no evidence."""
-        self.version += 1
         if self.host:
             self._observe_on_host(slots.numpy(), head_survival.numpy(), num_accepted.numpy(), verify_lens.numpy())
             return

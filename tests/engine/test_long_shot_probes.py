@@ -1,8 +1,9 @@
 """What drafting on and off costs, priced as it is: probes where no row could pay, and catch-up.
 
 Two ways the draft-or-not choice used to pay for drafting it did not get:
-- probes at batch sizes where not even the batch's best row would pay drafted (at mixed c=64 on
-  the embedded pair they and their catch-up took about 3% of a run that drafted nothing);
+- probes at batch sizes where not even rows as good as the best evidence held would pay drafted
+  (at mixed c=64 on the embedded pair they and their catch-up took about 3% of a run that drafted
+  nothing);
 - a row drafted again after steps off first projects the context it queued meanwhile, and the
   drafting fit priced that as drafting: on-and-off drafting looked dearer than steady drafting,
   and at in-domain c=4 the rule, once off, stayed mostly off.
@@ -39,11 +40,10 @@ def _posterior(bs: int, accepted: list[int], block: int = 16) -> SurvivalPosteri
     return post
 
 
-def test_could_pay_reads_the_batchs_best_row_and_the_step_cost():
+def test_could_pay_reads_the_best_evidence_and_the_step_cost():
     """A batch whose best row accepts nearly whole blocks could pay where a step's fixed part
     dominates, not where every verified token costs its full share; a batch whose rows all
-    accept nothing could not pay at either. Control: the best row alone decides (the same batch
-    without it could not pay)."""
+    accept nothing could not pay at either, and one with no evidence at all is not ruled out."""
     good = DraftChoice(_posterior(8, [0] * 7 + [14]), 16, 2, "cpu")
     assert good.could_pay(8, FIXED_BOUND)
     assert not good.could_pay(8, TOKEN_BOUND)

@@ -157,9 +157,9 @@ class DraftChoice:
 
     def _could_pay(self, bs: int, cost: StepCostModel) -> bool:
         """could_pay, asked every step and recomputed when the batch size changes, a posterior
-        is set or the plan is voided (replan), else every probe_every steps: it sets how fast probe credit grows, which only
-        matters over that many steps, and computing it (about 0.14 ms) after every drafted step
-        showed at c=1, where a plain step takes 7 ms."""
+        is set or the plan is voided (replan), else every probe_every steps: it sets how fast
+        probe credit grows, which only matters over that many steps, and computing it (about
+        0.14 ms) after every drafted step showed at c=1, where a plain step takes 7 ms."""
         post = self.posterior
         memo = self._could_pay_memo
         if memo is None or memo[0] != (bs, id(post)) or memo[2] >= self.probe_every:
@@ -176,21 +176,22 @@ class DraftChoice:
         or of a row in the batch; shaped by that domain's profile along the block:
         SurvivalPosterior.best_known) raised by LONG_SHOT_MARGIN in log-odds, would still run
         faster plain than drafted at any length, only a request far better than anything the
-        drafter has shown would make a probe pay: a long shot, and probing then costs without changing the plan (at mixed c=64 on the
-        embedded pair, probes and their catch-up took about 3% of a run that drafted nothing).
-        Probes then get LONG_SHOT_SHARE of their credit, not none: a request that starts
-        repeating itself can still be noticed, later. First reads are not affected. (The
-        batch's best row alone was tried: at c=1 that is the row itself, which a few failed
-        blocks then left with a quarter of its probes, and in-domain c=1 drafted 52% of
-        request-steps at 1.11x `ar`, against 71% at 1.15x. Without the margin the bound was a
-        domain's mean, and the requests above it, which a probe would find paying, were probed
-        a quarter as often: in the closed-loop demo math read 1.00-1.03x plain decoding by the
-        last version, 1.13x with full probes.)
+        drafter has shown would make a probe pay: a long shot, and probing then costs without
+        changing the plan (at mixed c=64 on the embedded pair, probes and their catch-up took
+        about 3% of a run that drafted nothing). Probes then get LONG_SHOT_SHARE of their
+        credit, not none: a request that starts repeating itself can still be noticed, later.
+        First reads are not affected. (The batch's best row alone was tried: at c=1 that is the
+        row itself, which a few failed blocks then left with a quarter of its probes, and
+        in-domain c=1 drafted 52% of request-steps at 1.11x `ar`, against 71% at 1.15x. Without
+        the margin the bound was a domain's mean, and the requests above it, which a probe
+        would find paying, were probed a quarter as often: in the closed-loop demo math read
+        1.00-1.03x plain decoding by the last version, 1.13x with full probes, 1.12x with the
+        margin.)
         """
         profile = self.posterior.best_known(bs, self.block_size - 1)
         if profile is None:
             return True
-        # optimism: a request may do well above its domain's mean (0.3 -> 0.66, 0.7 -> 0.91)
+        # optimism: a request may do well above its domain's mean (0.3 -> 0.54, 0.7 -> 0.86)
         p = np.clip(profile.astype(np.float64), 1e-4, 1 - 1e-4)
         profile = 1.0 / (1.0 + (1.0 - p) / p * np.exp(-LONG_SHOT_MARGIN))
         lens = np.arange(1, self.block_size + 1, dtype=np.float64)

@@ -50,6 +50,12 @@ def test_could_pay_reads_the_best_evidence_and_the_step_cost():
     bad = DraftChoice(_posterior(8, [0] * 8), 16, 2, "cpu")
     assert not bad.could_pay(8, FIXED_BOUND)
     assert not bad.could_pay(8, TOKEN_BOUND)
+    # the batch size prices it: a good row pays alone where a step's fixed part is most of it,
+    # not in a batch of 64, where every row's verified tokens are
+    mid = StepCostModel(fixed=0.01, per_token=0.0005, per_draft=0.0005, draft_fixed=0.001)
+    wide = DraftChoice(_posterior(64, [14] + [0] * 63), 16, 2, "cpu")
+    assert wide.could_pay(1, mid)
+    assert not wide.could_pay(64, mid)
     # a row with no history, in a domain with none, is no evidence: nothing rules drafting out
     cold = SurvivalPosterior(4)
     cold.reset(torch.arange(4), ["new"] * 4)
@@ -99,6 +105,32 @@ def test_a_domain_just_below_break_even_is_no_long_shot(monkeypatch):
     monkeypatch.setattr(draft_choice, "LONG_SHOT_MARGIN", 0.0)
     for rate in (0.3, 0.4):
         assert not DraftChoice(_sampled_posterior(rate), 16, 2, "cpu").could_pay(1, ONE_ROW), rate
+
+
+def _domain_of_requests(rates: list[float], seed: int = 0) -> SurvivalPosterior:
+    """Requests of one domain "d" in cache slots 0.., 60 blocks of 5 proposals each, request i's
+    proposals surviving with rates[i]."""
+    g = torch.Generator().manual_seed(seed)
+    post = SurvivalPosterior(len(rates))
+    post.reset(torch.arange(len(rates)), ["d"] * len(rates))
+    for _ in range(60):
+        accepted = []
+        for rate in rates:
+            n = 0
+            while n < 5 and float(torch.rand(1, generator=g)) < rate:
+                n += 1
+            accepted.append(n)
+        post.observe(torch.arange(len(rates)), torch.full((len(rates),), 0.5), torch.tensor(accepted),
+                     torch.full((len(rates),), 6))
+    return post
+
+
+def test_a_request_above_its_domain_is_its_own_bound():
+    """A request of a domain accepting 70% in a batch of its own, while seven others of its
+    domain accepted 5%: its own rate, not the domain's, bounds the long shot, and it keeps its
+    probes. Control: one of the 5% requests in a batch of its own is a long shot."""
+    assert DraftChoice(_domain_of_requests([0.7] + [0.05] * 7), 16, 2, "cpu").could_pay(1, ONE_ROW)
+    assert not DraftChoice(_domain_of_requests([0.05] * 7 + [0.7]), 16, 2, "cpu").could_pay(1, ONE_ROW)
 
 
 def _probes(choice: DraftChoice, bs: int, cost: StepCostModel, steps: int) -> int:

@@ -21,13 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
-from run import cell_requests, workloads  # noqa: E402
+from run import cell_requests, one_cell  # noqa: E402
 
-from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.engine.draft_choice import DraftChoice  # noqa: E402
 from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
-from sglang_adaflash.launch.loading import load_pair  # noqa: E402
-from sglang_adaflash.launch.prompts import resolve_prompt_ids  # noqa: E402
 from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
 
 
@@ -37,12 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="in_domain", choices=("in_domain", "math", "mixed"))
     ap.add_argument("--every", type=int, default=15, help="print the first 12 plans, then every N-th")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    pair = load_pair(TARGET_DIR, str(DRAFTER_DIR), dtype="float32")
-    prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in workloads(16)[args.workload]]
     c = args.concurrency
-    n = max(2 * c, len(prompts))
-    max_seq = max(len(p) for p, _ in prompts) + 64
+    pair, prompts, n, max_seq = one_cell(args.workload, c)
 
     def requests():
         return cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))

@@ -14,18 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
-from run import cell_requests, workloads  # noqa: E402
+from run import cell_requests, one_cell  # noqa: E402
 
-from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
-from sglang_adaflash.launch.loading import load_pair  # noqa: E402
-from sglang_adaflash.launch.prompts import resolve_prompt_ids  # noqa: E402
 from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
 
 PHASES = ("_prefill", "_decode_step", "_choose_drafted", "_draft", "_catch_up", "_verify_step",
@@ -53,12 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    pair = load_pair(TARGET_DIR, str(DRAFTER_DIR), dtype="float32")
-    prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in workloads(16)[args.workload]]
     c = args.concurrency
-    n = max(2 * c, len(prompts))
-    max_seq = max(len(p) for p, _ in prompts) + 64
+    pair, prompts, n, max_seq = one_cell(args.workload, c)
     runs = []
     for mode in ("ar", "adaflash") * args.repeats:
         eng = make_engine(pair, mode, c, max_seq, 0, num_requests=n)

@@ -58,6 +58,16 @@ def workloads(per_domain: int) -> dict[str, list]:
     return {"in_domain": in_domain, "math": math, "mixed": mixed}
 
 
+def one_cell(workload: str, concurrency: int, threads: int = 1):
+    """(pair, prompts, n, max_seq) for one cell at this file's defaults (16 prompts a domain, 64
+    new tokens): what the single-cell scripts beside it (cost_trace.py, phase_times.py) build."""
+    torch.set_num_threads(threads)
+    pair = load_pair(MODELS_DIR / "target", str(MODELS_DIR / "drafter"), dtype="float32")
+    prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in workloads(16)[workload]]
+    n = max(2 * concurrency, len(prompts))
+    return pair, prompts, n, max(len(p) for p, _ in prompts) + 64
+
+
 def cell_requests(prompts, n: int, max_new_tokens: int, stop) -> list[Request]:
     """A cell's n requests: the (prompt ids, domain) pairs cycled in order, ids r0..r{n-1}."""
     return [Request(list(prompts[i % len(prompts)][0]),

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..d2sd.cli import add_d2sd_args
+from ..demo.plan import defaults
 from ..errors import CLIError
 from ..launch.engine_factory import model_dir_arg
 
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at a time is where speculation pays on a CPU; docs/serving.md); with --static "
                         "comma-separated levels (default 1,8,32)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=None,
-                   help="per request (default 64; --quick 48)")
+                   help=f"per request ({defaults('max_tokens')})")
     d.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
                    help="default: float32 on CPU (faster there than the shipped bf16), else the target's")
     d.add_argument("--threads", type=_positive_int, default=None,
@@ -151,26 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--drafter", default="embedded", type=model_dir_arg("drafter"), metavar="DIR",
                       help="drafter published as v000001 (default: the embedded one)")
     loop.add_argument("--first-requests", type=_positive_int, default=None,
-                      help="requests of the code+prose phase (default 32; --quick 8)")
+                      help=f"requests of the code+prose phase ({defaults('first_requests')})")
     loop.add_argument("--rounds", type=_positive_int, default=None,
-                      help="distillation rounds after which the follower stops (default 5; --quick 1)")
+                      help=f"distillation rounds after which the follower stops ({defaults('rounds')})")
     loop.add_argument("--min-records", type=_positive_int, default=None,
-                      help="new traffic records that start a round (default 64; --quick 32)")
+                      help=f"new traffic records that start a round ({defaults('min_records')})")
     loop.add_argument("--max-records", type=_positive_int, default=None,
-                      help="newest records a round trains on (default 320; --quick 48)")
-    loop.add_argument("--epochs", type=_positive_int, default=None, help="per round (default 2)")
-    loop.add_argument("--head-steps", type=int, default=None, help="length-head refit steps per round (default 50; --quick 10)")
+                      help=f"newest records a round trains on ({defaults('max_records')})")
+    loop.add_argument("--epochs", type=_positive_int, default=None, help=f"passes over each round's records ({defaults('epochs')})")
+    loop.add_argument("--lr", type=float, default=None,
+                      help=f"the rounds' learning rate ({defaults('lr')}; the distillation job's own default is 3e-4)")
+    loop.add_argument("--head-steps", type=int, default=None, help=f"length-head refit steps per round ({defaults('head_steps')})")
     loop.add_argument("--per-version", type=_positive_int, default=None,
-                      help="math answers the final version serves before the end (default 48; --quick 8)")
+                      help=f"math answers the final version serves before the end ({defaults('per_version')})")
     loop.add_argument("--replay", type=int, default=None,
                       help="first-phase prompts sent again after the last round, to show what the math rounds "
-                           "did to code and prose (default 16; --quick 4; 0: none)")
+                           f"did to code and prose ({defaults('replay')}; 0: none)")
     loop.add_argument("--baseline-every", type=_positive_int, default=None,
-                      help="every n-th prompt is answered by plain decoding too, right after (default 2)")
+                      help=f"every n-th prompt is answered by plain decoding too, right after ({defaults('baseline_every')})")
     loop.add_argument("--budget-s", type=float, default=None,
-                      help="seconds of traffic at most, both phases (default 720; --quick 140)")
+                      help=f"seconds of traffic at most, both phases ({defaults('budget_s')})")
     loop.add_argument("--check-prompts", type=_positive_int, default=None,
-                      help="prompts of the final T=0 check (default 12; --quick 6)")
+                      help=f"prompts of the final T=0 check ({defaults('check_prompts')})")
     loop.add_argument("--home", metavar="DIR", help="use (and keep) this volume instead of a temporary one")
     loop.add_argument("--keep-home", action="store_true", help="keep the temporary volume (its path is printed)")
     loop.add_argument("--start-timeout", type=float, default=300.0, help="seconds for each child to start")

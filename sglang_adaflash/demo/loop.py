@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -35,6 +34,7 @@ import httpx
 from ..errors import CLIError
 from . import check as eqcheck
 from .client import Poller, Replayer
+from .plan import Plan, plan_for
 from .procs import ChildError, Children, restore_sigterm, terminate_as_interrupt
 from .report import cells, plot, stalls, table
 from .workload import FIRST_PHASE, REPLAY_PHASE, SHIFT_PHASE, first_phase, math_stream, shipped
@@ -42,45 +42,6 @@ from .workload import FIRST_PHASE, REPLAY_PHASE, SHIFT_PHASE, first_phase, math_
 MODEL_NAME = "demo"
 #: The loop's goal: by the last version, math at least this many times plain decoding's speed.
 MATH_SPEED_GOAL = 1.3
-
-
-@dataclass
-class Plan:
-    """Sizes of one run; ``--quick`` picks the small column."""
-
-    first_requests: int
-    min_records: int
-    max_records: int
-    rounds: int
-    epochs: int
-    head_steps: int
-    eval_records: int
-    eval_tokens: int
-    per_version: int
-    budget_s: float
-    max_tokens: int
-    check_prompts: int
-    replay: int  # first-phase prompts sent again after the last round
-    baseline_every: int  # every n-th prompt also goes to plain decoding
-
-
-DEFAULT = Plan(first_requests=32, min_records=64, max_records=320, rounds=5, epochs=2,
-               head_steps=50, eval_records=16, eval_tokens=64, per_version=48, budget_s=720,
-               max_tokens=64, check_prompts=12, replay=16, baseline_every=2)
-QUICK = Plan(first_requests=8, min_records=32, max_records=48, rounds=1, epochs=2,
-             head_steps=10, eval_records=4, eval_tokens=32, per_version=8, budget_s=140,
-             max_tokens=48, check_prompts=6, replay=4, baseline_every=2)
-
-
-def plan_for(args) -> Plan:
-    base = QUICK if args.quick else DEFAULT
-    fields = {k: getattr(args, k, None) for k in base.__dataclass_fields__}
-    plan = Plan(**{k: (v if v is not None else getattr(base, k)) for k, v in fields.items()})
-    for k, v in vars(plan).items():
-        least = 0 if k in ("head_steps", "replay") else 1
-        if v < least:
-            raise CLIError(f"--{k.replace('_', '-')} must be >= {least}, got {v}")
-    return plan
 
 
 def _child_env(home: Path) -> dict[str, str]:
@@ -108,7 +69,7 @@ def distill_argv(args, home: Path, plan: Plan, report: Path) -> list[str]:
     return [sys.executable, "-m", "training_job.distill", "--home", str(home), "--target", args.target,
             "--parent", "latest", "--min-records", str(plan.min_records), "--report", str(report),
             "--follow", "--poll-interval", "1", "--max-rounds", str(plan.rounds),
-            "--epochs", str(plan.epochs), "--max-records", str(plan.max_records),
+            "--epochs", str(plan.epochs), "--lr", repr(plan.lr), "--max-records", str(plan.max_records),
             "--head-steps", str(plan.head_steps), "--min-eval-records", "2",
             "--max-eval-records", str(plan.eval_records), "--eval-max-new-tokens", str(plan.eval_tokens),
             "--threads", str(args.threads), "--quiet"]

@@ -25,7 +25,8 @@ from sglang_adaflash.cli.main import main  # noqa: E402
 from sglang_adaflash.demo import client as demo_client  # noqa: E402
 from sglang_adaflash.demo.check import compare  # noqa: E402
 from sglang_adaflash.demo.client import Answer  # noqa: E402
-from sglang_adaflash.demo.loop import QUICK, finish  # noqa: E402
+from sglang_adaflash.demo.loop import finish  # noqa: E402
+from sglang_adaflash.demo.plan import QUICK  # noqa: E402
 from sglang_adaflash.testing.tiny_pair import build_tiny_pair  # noqa: E402
 
 from .test_procs import wait_dead  # noqa: E402

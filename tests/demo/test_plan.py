@@ -76,3 +76,20 @@ def test_a_learning_rate_must_be_a_positive_number(lr):
     args.max_tokens = None
     with pytest.raises(CLIError, match="--lr must be a positive number"):
         plan_for(args)
+
+
+def test_the_follower_is_started_with_the_plans_training_sizes(tmp_path):
+    """The argv the loop gives `training_job.distill --follow`, read back by the job's own parser."""
+    from sglang_adaflash.demo.loop import distill_argv
+    from training_job.opd.options import build_parser as job_parser
+
+    args = demo_args("--lr", "1e-3", "--epochs", "3")
+    args.max_tokens = None
+    args.target, args.threads = "embedded-target-dir", 1
+    plan = plan_for(args)
+    argv = distill_argv(args, tmp_path, plan, tmp_path / "report.json")
+    job = job_parser().parse_args(argv[argv.index("training_job.distill") + 1:])
+    assert (job.lr, job.epochs, job.max_rounds) == (1e-3, 3, DEFAULT.rounds)
+    assert (job.min_records, job.max_records, job.head_steps) == (
+        DEFAULT.min_records, DEFAULT.max_records, DEFAULT.head_steps)
+    assert job.follow and job.home == str(tmp_path)

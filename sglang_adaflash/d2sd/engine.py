@@ -181,8 +181,8 @@ class D2SDEngine(SpecEngine):
     @torch.inference_mode()
     def _decode_step(self) -> None:
         seqs, t0 = self.running, time.perf_counter()
-        bs, b = len(seqs), self.block_size
-        cap = [min(b, s.remaining) for s in seqs]
+        bs = len(seqs)
+        cap = self._draft_caps(seqs)
         drafted, probes = self._choose_drafted(seqs, cap)
         if self._draft_off and not drafted:  # nobody pays for a tree: SpecEngine's plain step
             self._verify_step(seqs, self._with_sampling(SpecBatch.plain(bs, self.device), seqs), t0,

@@ -114,6 +114,7 @@ class _Seq:
     probe_gap: int = 0  # steps between probes while not drafted (backs off while probes fail)
     generator: torch.Generator | None = None  # a seeded sampled request's own random stream
     prompt_feats: torch.Tensor | None = None  # [P, K*H] prompt features not yet in the drafter's context
+    stale_context: bool = False  # its drafter context was computed by a version no longer serving
 
     @property
     def last_token(self) -> int:
@@ -318,6 +319,14 @@ class SpecEngine:
         self.choice.replan()
         for seq in self.running:
             seq.probe_gap = 0
+            # Its prompt is in the drafter's cache as the old version projected it: the new
+            # version's queries would read the old version's keys and values, so its drafts say
+            # little about the new version (at worst nothing accepted), and the first ones would
+            # be the domain's first evidence. In the closed-loop demo, an in-flight math request
+            # whose drafts failed after a swap left math undrafted for 35 requests of a version
+            # accepting 3.8 per step. It finishes plain; a row whose context the drafter has not
+            # read yet (prompt_feats) is projected by the new version alone and drafts as usual.
+            seq.stale_context = seq.prompt_feats is None
 
     def run(self, requests: list[Request], progress=None) -> list[RequestOutput]:
         """Serve a list of requests to completion; outputs in submission order."""
@@ -467,7 +476,7 @@ class SpecEngine:
         bs = len(seqs)
         if self.proposer is None:
             return SpecBatch.plain(bs, self.device)
-        caps = [min(self.block_size, s.remaining) for s in seqs]
+        caps = self._draft_caps(seqs)
         drafted, probes = self._choose_drafted(seqs, caps)
         if not drafted:
             return SpecBatch.plain(bs, self.device)
@@ -510,6 +519,11 @@ class SpecEngine:
             return forced_catch_up
         self._catch_up(seqs, drafted)
         return 0.0
+
+    def _draft_caps(self, seqs: list[_Seq]) -> list[int]:
+        """Tokens each row may verify this step: its block or what it has left, 1 (plain) for a
+        row whose drafter context is stale (drafter_swapped)."""
+        return [1 if s.stale_context else min(self.block_size, s.remaining) for s in seqs]
 
     def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
         """Rows to draft this step and the forced ones among them (draft_choice.DraftChoice)."""

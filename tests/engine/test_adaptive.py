@@ -562,26 +562,67 @@ def test_history_planned_steps_draft_only_the_slots_they_verify(target, drafter,
     assert sum(heads) == sum(n - 1 for lens in verified for n in lens)  # proposals only where verified
 
 
+def _switched_off_engine(target, drafter, prompts, max_new=60):
+    """An engine whose rows (one domain) drafted first and are switched off now, probes off."""
+    eng = _engine(target, drafter, probe_every=64, probe_share=0.0)
+    for p in prompts:
+        eng.submit(Request(p, SamplingParams(max_new_tokens=max_new)))
+    for _ in range(20):
+        eng.step()
+    assert not any(seq.since_draft == 0 for seq in eng.running), "drafts must be switched off by now"
+    assert all(seq.prompt_feats is None for seq in eng.running), "each row must have drafted once"
+    return eng
+
+
 def test_a_swapped_drafter_is_read_afresh(target, drafter):
     """After drafts failed long enough to be switched off, a hot-reloaded drafter must not
-    inherit that verdict: drafter_swapped() drops the evidence and the next step reads the
-    drafter again (a first read). Control: without it the rows stay undrafted."""
+    inherit that verdict: drafter_swapped() drops the evidence, and the next request of that
+    domain reads the new drafter (a first read). Control: without the swap it is not drafted."""
     prompts = _prompts(3, seed=29)
 
-    def undrafted_after(swap: bool) -> list[bool]:
-        eng = _engine(target, drafter, probe_every=64, probe_share=0.0)
-        for p in prompts:
-            eng.submit(Request(p, SamplingParams(max_new_tokens=60)))
-        for _ in range(20):
-            eng.step()
-        assert not any(seq.since_draft == 0 for seq in eng.running), "drafts must be switched off by now"
+    def new_request_drafted(swap: bool) -> bool:
+        eng = _switched_off_engine(target, drafter, prompts[:2])
         if swap:
             eng.drafter_swapped()
-        eng.step()
-        return [seq.since_draft == 0 for seq in eng.running]
+        eng.submit(Request(prompts[2], SamplingParams(max_new_tokens=20)))
+        for _ in range(3):  # admission and prefill, then its first decode steps
+            eng.step()
+        new = [seq for seq in eng.running if seq.req.prompt_ids == prompts[2]]
+        return any(new[0].stats.drafted)
 
-    assert any(undrafted_after(swap=True))
-    assert not any(undrafted_after(swap=False))
+    assert new_request_drafted(swap=True)
+    assert not new_request_drafted(swap=False)
+
+
+def test_rows_in_flight_at_a_swap_finish_plain_and_leave_no_evidence(target, drafter):
+    """A row whose prompt the old version projected into the drafter's cache drafts no more
+    after a swap: the new version's drafts there would read the old version's keys and values,
+    and being the domain's first evidence, their failures switched a good version off for a
+    domain (the closed-loop demo's math, 35 requests). So after the swap those rows verify only
+    their bonus token, the forgotten evidence stays empty while only they run, the output is
+    still ar's, and a row that had not read the drafter yet drafts as usual (first read)."""
+    prompts = _prompts(3, seed=31)
+    ar = _ar(target, prompts, 60)
+    eng = _switched_off_engine(target, drafter, prompts[:2])
+    eng.drafter_swapped()
+    stale = {id(seq) for seq in eng.running}
+    steps_before = {id(seq): len(seq.stats.drafted) for seq in eng.running}
+    for _ in range(5):
+        eng.step()
+    assert float(eng.posterior.domain_counts.abs().sum()) == 0.0, "stale rows must leave no evidence"
+    eng.submit(Request(prompts[2], SamplingParams(max_new_tokens=60)))
+    outs = {}
+    while eng.has_unfinished():
+        for seq in list(eng.running):
+            if id(seq) in stale:
+                assert seq.stale_context
+                assert not any(seq.stats.drafted[steps_before[id(seq)]:]), "a stale row drafted"
+        for out in eng.step():
+            outs[tuple(out.prompt_ids) if hasattr(out, "prompt_ids") else len(outs)] = out
+    by_prompt = {tuple(o.output_ids): o for o in outs.values()}
+    assert sorted(by_prompt) == sorted(tuple(a) for a in ar)
+    fresh = [o for o in outs.values() if list(o.output_ids) == ar[2]]
+    assert fresh and fresh[0].stats.drafted[0], "a row that joins after the swap reads the new drafter"
 
 
 def test_the_host_choice_equals_the_tensor_choice():

@@ -279,3 +279,29 @@ def test_draft_off_with_the_measured_cost_model_is_lossless(target, drafter):
     for o in outs:
         assert len(o.stats.drafted) == o.stats.steps
         assert all(v == 1 for v, d in zip(o.stats.verify_lens, o.stats.drafted) if not d)
+
+
+@pytest.mark.parametrize("draft_off", [True, False])
+def test_rows_in_flight_at_a_swap_grow_no_tree(target, drafter, draft_off):
+    """As in SpecEngine (tests/engine/test_adaptive.py): a row whose prompt the old drafter
+    version projected grows no tree after drafter_swapped(), with or without draft-off, and the
+    output is still ar's."""
+    prompts = _prompts(2, seed=37)
+    ar = _ar(target, prompts, [40, 40])
+    eng = _engine(D2SDEngine, target, drafter, draft_off=draft_off, probe_every=2, probe_share=1.0)
+    for p in prompts:
+        eng.submit(Request(p, SamplingParams(max_new_tokens=40)))
+    for _ in range(6):
+        eng.step()
+    assert all(seq.prompt_feats is None for seq in eng.running), "each row must have drafted once"
+    eng.drafter_swapped()
+    marks = {len(seq.stats.verify_lens) for seq in eng.running}
+    assert len(marks) == 1  # both joined together: the same steps before the swap
+    (mark,) = marks
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert sorted(o.output_ids for o in outs) == sorted(ar)
+    for o in outs:
+        after = o.stats.verify_lens[mark:]
+        assert after and all(n == 1 for n in after), "a row in flight at the swap grew a tree"

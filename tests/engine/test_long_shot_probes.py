@@ -80,33 +80,6 @@ def test_a_lone_failing_row_is_no_long_shot_where_another_domain_pays():
 ONE_ROW = StepCostModel(fixed=0.006, per_token=0.0004, per_draft=0.003, draft_fixed=0.002)
 
 
-def _sampled_posterior(rate: float, seed: int = 0) -> SurvivalPosterior:
-    """One request of domain "d" whose 60 blocks of 5 proposals each survived with `rate`."""
-    g = torch.Generator().manual_seed(seed)
-    post = SurvivalPosterior(1)
-    post.reset(torch.arange(1), ["d"])
-    for _ in range(60):
-        n = 0
-        while n < 5 and float(torch.rand(1, generator=g)) < rate:
-            n += 1
-        post.observe(torch.arange(1), torch.tensor([0.5]), torch.tensor([n]), torch.tensor([6]))
-    return post
-
-
-def test_a_domain_just_below_break_even_is_no_long_shot(monkeypatch):
-    """Requests of a domain vary around its mean, so a bound at the mean itself made probes rare
-    for the requests above it: in the closed-loop demo, math on the later drafter versions
-    (live tau 1.9 with full probes) read live tau 1.2-1.3 and 1.00-1.03x plain decoding instead
-    of 1.12-1.13x. The bound adds LONG_SHOT_MARGIN in log-odds: a domain accepting 30-40% at
-    c=1 (below break-even) still gets its full probes, one accepting 10-20% does not. Control:
-    without the margin, the 30-40% domains are long shots."""
-    for rate, expected in ((0.1, False), (0.2, False), (0.3, True), (0.4, True), (0.6, True)):
-        assert DraftChoice(_sampled_posterior(rate), 16, 2, "cpu").could_pay(1, ONE_ROW) == expected, rate
-    monkeypatch.setattr(draft_choice, "LONG_SHOT_MARGIN", 0.0)
-    for rate in (0.3, 0.4):
-        assert not DraftChoice(_sampled_posterior(rate), 16, 2, "cpu").could_pay(1, ONE_ROW), rate
-
-
 def _domain_of_requests(rates: list[float], seed: int = 0) -> SurvivalPosterior:
     """Requests of one domain "d" in cache slots 0.., 60 blocks of 5 proposals each, request i's
     proposals surviving with rates[i]."""
@@ -123,6 +96,20 @@ def _domain_of_requests(rates: list[float], seed: int = 0) -> SurvivalPosterior:
         post.observe(torch.arange(len(rates)), torch.full((len(rates),), 0.5), torch.tensor(accepted),
                      torch.full((len(rates),), 6))
     return post
+
+
+def test_a_domain_just_below_break_even_is_no_long_shot(monkeypatch):
+    """Requests of a domain vary around its mean, so a bound at the mean itself made probes rare
+    for the requests above it: in the closed-loop demo, math on the later drafter versions
+    (live tau 1.9 with full probes) read live tau 1.2-1.3 and 1.00-1.03x plain decoding instead
+    of 1.12-1.13x. The bound adds LONG_SHOT_MARGIN in log-odds: a domain accepting 30-40% at
+    c=1 (below break-even) still gets its full probes, one accepting 10-20% does not. Control:
+    without the margin, the 30-40% domains are long shots."""
+    for rate, expected in ((0.1, False), (0.2, False), (0.3, True), (0.4, True), (0.6, True)):
+        assert DraftChoice(_domain_of_requests([rate]), 16, 2, "cpu").could_pay(1, ONE_ROW) == expected, rate
+    monkeypatch.setattr(draft_choice, "LONG_SHOT_MARGIN", 0.0)
+    for rate in (0.3, 0.4):
+        assert not DraftChoice(_domain_of_requests([rate]), 16, 2, "cpu").could_pay(1, ONE_ROW), rate
 
 
 def test_a_request_above_its_domain_is_its_own_bound():

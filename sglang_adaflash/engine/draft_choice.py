@@ -39,7 +39,6 @@ QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or j
 PLAIN_EVERY = 64  # steps in a row that drafted anyone, after which one step runs plain (a plain probe)
 PLAIN_FIRST = 8  # ... at a batch size with no plain step seen yet; the wait doubles with each seen
 LONG_SHOT_SHARE = 0.25  # of the probe credit, where not even rows as good as the best evidence pay (could_pay)
-LONG_SHOT_MARGIN = 1.0  # log-odds added to the best evidence's survival before could_pay prices it
 
 
 class DraftChoice:
@@ -169,31 +168,28 @@ class DraftChoice:
         return memo[1]
 
     def could_pay(self, bs: int, cost: StepCostModel) -> bool:
-        """Whether drafting could pay at this batch size for rows well above the best evidence.
+        """Whether drafting could pay at this batch size for rows as good as the best evidence.
 
         A probe asks whether a request that drafts nothing has started to accept again. Where a
         batch of `bs` rows, every one with the best survival the posterior knows (of any domain,
         or of a row in the batch; shaped by that domain's profile along the block:
-        SurvivalPosterior.best_known) raised by LONG_SHOT_MARGIN in log-odds, would still run
-        faster plain than drafted at any length, only a request far better than anything the
-        drafter has shown would make a probe pay: a long shot, and probing then costs without
-        changing the plan (at mixed c=64 on the embedded pair, probes and their catch-up took
-        about 3% of a run that drafted nothing). Probes then get LONG_SHOT_SHARE of their
-        credit, not none: a request that starts repeating itself can still be noticed, later.
-        First reads are not affected. (The batch's best row alone was tried: at c=1 that is the
-        row itself, which a few failed blocks then left with a quarter of its probes, and
-        in-domain c=1 drafted 52% of request-steps at 1.11x `ar`, against 71% at 1.15x. Without
-        the margin the bound was a domain's mean, and the requests above it, which a probe
-        would find paying, were probed a quarter as often: in the closed-loop demo math read
-        1.00-1.03x plain decoding by the last version, 1.13x with full probes, 1.12x with the
-        margin.)
+        SurvivalPosterior.best_known), would still run faster plain than drafted at any length,
+        only a request better than anything the drafter has shown would make a probe pay: a long
+        shot, and probing then costs without changing the plan (at mixed c=64 on the embedded
+        pair, probes and their catch-up took about 3% of a run that drafted nothing). Probes then
+        get LONG_SHOT_SHARE of their credit, not none: a request that starts repeating itself can
+        still be noticed, later. First reads are not affected. (The batch's best row alone was
+        tried: at c=1 that is the row itself, which a few failed blocks then left with a quarter
+        of its probes, and in-domain c=1 drafted 52% of request-steps at 1.11x `ar`, against 71%
+        at 1.15x. A margin of 1 in log-odds over the best evidence was tried too: it was added
+        while rows in flight at a hot reload spoiled a new drafter version's first evidence, and
+        once that was fixed the demo read 1.49x plain decoding without it, 1.45x with it, and
+        mixed c=8 lost 2-3% to it: benchmarks/adaptive/checks/c8_margin*.)
         """
         profile = self.posterior.best_known(bs, self.block_size - 1)
         if profile is None:
             return True
-        # optimism: a request may do well above its domain's mean (0.3 -> 0.54, 0.7 -> 0.86)
-        p = np.clip(profile.astype(np.float64), 1e-4, 1 - 1e-4)
-        profile = 1.0 / (1.0 + (1.0 - p) / p * np.exp(-LONG_SHOT_MARGIN))
+        profile = profile.astype(np.float64)
         lens = np.arange(1, self.block_size + 1, dtype=np.float64)
         gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(profile))])  # float64 (above)
         row_cost = cost.per_token * lens - cost.per_proposal + cost.per_draft * (lens > 1)

@@ -72,6 +72,7 @@ def distill_argv(args, home: Path, plan: Plan, report: Path) -> list[str]:
             "--epochs", str(plan.epochs), "--lr", repr(plan.lr), "--max-records", str(plan.max_records),
             "--head-steps", str(plan.head_steps), "--min-eval-records", "2",
             "--max-eval-records", str(plan.eval_records), "--eval-max-new-tokens", str(plan.eval_tokens),
+            "--standing-eval-records", str(plan.standing_eval),
             "--threads", str(args.threads), "--quiet"]
 
 

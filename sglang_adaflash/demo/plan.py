@@ -24,6 +24,7 @@ class Plan:
     head_steps: int
     eval_records: int
     eval_tokens: int
+    standing_eval: int  # earlier rounds' held-out records per domain in a round's evaluation
     per_version: int
     budget_s: float
     max_tokens: int
@@ -33,11 +34,11 @@ class Plan:
 
 
 DEFAULT = Plan(first_requests=32, min_records=96, max_records=256, rounds=3, epochs=4, lr=6e-4,
-               head_steps=50, eval_records=16, eval_tokens=64, per_version=48, budget_s=720,
-               max_tokens=64, check_prompts=12, replay=16, baseline_every=2)
+               head_steps=50, eval_records=16, eval_tokens=64, standing_eval=4, per_version=48,
+               budget_s=720, max_tokens=64, check_prompts=12, replay=16, baseline_every=2)
 QUICK = Plan(first_requests=8, min_records=32, max_records=48, rounds=1, epochs=2, lr=3e-4,
-             head_steps=10, eval_records=4, eval_tokens=32, per_version=8, budget_s=140,
-             max_tokens=48, check_prompts=6, replay=4, baseline_every=2)
+             head_steps=10, eval_records=4, eval_tokens=32, standing_eval=2, per_version=8,
+             budget_s=140, max_tokens=48, check_prompts=6, replay=4, baseline_every=2)
 
 #: Sizes that may be 0 (no length-head refit, no replay); every other size is at least 1.
 MAY_BE_ZERO = ("head_steps", "replay")

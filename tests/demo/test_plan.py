@@ -12,7 +12,7 @@ from sglang_adaflash.errors import CLIError
 
 # Plan fields whose flag is spelt otherwise, or that have no flag (set by the loop's own code).
 FLAG = {"max_tokens": "--max-new-tokens"}
-NO_FLAG = {"eval_records", "eval_tokens"}
+NO_FLAG = {"eval_records", "eval_tokens", "standing_eval"}
 
 
 def demo_args(*argv: str):
@@ -92,4 +92,5 @@ def test_the_follower_is_started_with_the_plans_training_sizes(tmp_path):
     assert (job.lr, job.epochs, job.max_rounds) == (1e-3, 3, DEFAULT.rounds)
     assert (job.min_records, job.max_records, job.head_steps) == (
         DEFAULT.min_records, DEFAULT.max_records, DEFAULT.head_steps)
+    assert job.standing_eval_records == DEFAULT.standing_eval  # the job's default is 8
     assert job.follow and job.home == str(tmp_path)

@@ -110,10 +110,15 @@ def test_two_batches_make_two_versions_each_from_the_last(pair, home, tmp_path, 
         (1, "published", "v000002", "v000001"), (2, "published", "v000003", "v000002")]
     assert list_versions(home) == ["v000001", "v000002", "v000003"]
     assert verify_version(home, "v000003")["parent"] == "v000002"
-    # each round trained on its own batch: nothing twice, nothing left over
-    for v in ("v000002", "v000003"):
+    # each round's new records are its own batch: nothing twice, nothing left over; the second
+    # also trains on a quarter as many of the first batch's and evaluates its held-out ones
+    for v, old in (("v000002", False), ("v000003", True)):
         tr = verify_version(home, v)["training"]
-        assert tr["records"] + tr["eval_records"] == BATCH and tr["traffic"]["new"] == BATCH
+        new = tr["traffic"]["train"] + tr["traffic"]["eval"]
+        assert new == BATCH and tr["traffic"]["new"] == BATCH
+        assert tr["records"] == tr["traffic"]["train"] + tr["replay_records"]
+        assert tr["eval_records"] == tr["traffic"]["eval"] + tr["traffic"]["standing_eval"]
+        assert (tr["replay_records"] > 0 and tr["traffic"]["standing_eval"] > 0) == old
     assert len(Ledger(home / "distill" / "consumed.keys").load()) == len(first + second)
     assert json.loads(report.read_text())["version"] == "v000003"  # the last round's report
     assert lines[1]["report"] == json.loads(report.read_text())

@@ -124,6 +124,54 @@ def _recomputed_eval(pair, home) -> dict:
     return out
 
 
+def _new_traffic(pair, home, domain: str, n: int) -> None:
+    """``n`` new records of one domain from a third writer."""
+    import random
+
+    from sglang_adaflash.serving.traffic import TrafficRecord, TrafficWriter
+
+    rng = random.Random(7)
+    with TrafficWriter(home, "pod-c") as w:
+        for i in range(n):
+            p = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(5)]
+            o = [rng.randrange(8, pair.vocab_size) for _ in range(12)]
+            w.write(TrafficRecord(id=f"{domain}{i}", model="tiny", drafter_version="v000002",
+                                  prompt_ids=p, output_ids=o, sampling={"temperature": 0.0},
+                                  accept_lens=[1] * len(o), finish_reason="length",
+                                  domain=domain, ts=2000.0 + i))
+
+
+@pytest.mark.parametrize("keep_old", [True, False])
+def test_a_round_of_one_domain_replays_the_others_and_evaluates_them(vol, tmp_path, keep_old):
+    """The second round's new traffic is prose alone. By default it also trains on a quarter as
+    many of the first round's code and math records and evaluates the first round's held-out
+    ones, so the gate sees whether code and math dropped. Control: with --replay-share 0
+    --standing-eval-records 0 the round sees prose alone (the old behaviour)."""
+    pair, home = vol
+    report = tmp_path / "report"
+    assert distill.main(_argv(pair, home, report)) == 0
+    first_held = Ledger(home / "distill" / "heldout.keys").load()
+    first_eval = {k for k, *_ in verify_version(home, "v000002")["eval"]["per_prompt"]["candidate"]}
+    assert first_held == first_eval and len(first_held) == 4
+    _new_traffic(pair, home, "prose", 24)
+    extra = () if keep_old else ("--replay-share", "0", "--standing-eval-records", "0")
+    assert distill.main(_argv(pair, home, report, "--parent", "v000002", *extra)) == 0
+    m = verify_version(home, "v000003")
+    training, ev = m["training"], m["eval"]
+    assert training["traffic"]["train"] == 20 and training["traffic"]["eval"] == 4
+    evaluated = {k for k, *_ in ev["per_prompt"]["candidate"]}
+    if keep_old:
+        assert training["replay_records"] == 5 and training["records"] == 25  # ceil(0.25 x 20)
+        assert set(training["domains"]) - {"prose"}  # earlier domains, trained on again
+        assert set(ev["records_by_domain"]) - {"prose"}
+        assert first_held <= evaluated  # the standing held-out records, evaluated again
+        assert len(Ledger(home / "distill" / "heldout.keys").load()) == 8
+    else:
+        assert training["replay_records"] == 0 and training["records"] == 20
+        assert set(training["domains"]) == set(ev["records_by_domain"]) == {"prose"}
+        assert not first_held & evaluated
+
+
 def test_too_few_records_is_a_report_not_a_failure_and_consumes_nothing(vol, tmp_path, capsys):
     from adaflash_operator.distill import parse_report
 

@@ -126,3 +126,51 @@ def test_ledger_forgets_keys_of_deleted_records(tmp_path):
     assert ledger.retain({"b", "c", "z"}) == 1
     assert ledger.load() == {"b", "c"}
     assert ledger.retain({"b", "c"}) == 0
+
+
+def _old_and_new():
+    """Earlier rounds consumed 20 prose records (ts 0-19) and 4 code ones (ts 20-23), and held out
+    the two newest prose ones and one code one; 40 math records are new."""
+    prose = [_sample(i, domain="prose") for i in range(20)]
+    code = [_sample(20 + i, domain="code") for i in range(4)]
+    math_ = [_sample(100 + i, domain="math") for i in range(40)]
+    held_out = {prose[19].key, prose[18].key, code[3].key}
+    consumed = {s.key for s in prose + code}
+    return prose, code, math_, consumed, held_out
+
+
+def test_replay_spreads_earlier_records_over_domains_and_never_trains_on_held_out_ones():
+    prose, code, math_, consumed, held_out = _old_and_new()
+    kw = dict(max_records=64, eval_fraction=0.1, min_eval=2, max_eval=8, held_out=held_out)
+    sel = select_round(prose + code + math_, consumed, replay_share=0.25, standing_per_domain=2, **kw)
+    assert len(sel.train) == 36 and len(sel.eval) == 4 and sel.new == 40
+    assert {s.domain for s in sel.train + sel.eval} == {"math"}  # new records are this round's
+    # ceil(0.25 x 36) = 9 replayed: code gives its 3 (it has no more), prose the other 6, newest
+    # first, and none an earlier round held out
+    assert len(sel.replay) == 9
+    assert [s.id for s in sel.replay if s.domain == "code"] == ["22", "21", "20"]
+    assert [s.id for s in sel.replay if s.domain == "prose"] == [str(i) for i in range(17, 11, -1)]
+    assert not {s.key for s in sel.replay} & held_out
+    # the standing held-out records: each domain's earlier held-out ones, the smallest keys first
+    assert sorted(s.key for s in sel.standing) == sorted(held_out)
+    assert set(sel.consumed) == {s.key for s in math_}  # replay consumes nothing again
+    # the same selection whatever the order the volume is read in
+    shuffled = prose + code + math_
+    random.Random(1).shuffle(shuffled)
+    again = select_round(shuffled, consumed, replay_share=0.25, standing_per_domain=2, **kw)
+    assert [s.key for s in again.replay] == [s.key for s in sel.replay]
+    assert [s.key for s in again.standing] == [s.key for s in sel.standing]
+    # control: without replay and standing records the round is the new records alone
+    alone = select_round(prose + code + math_, consumed, **kw)
+    assert not alone.replay and not alone.standing
+    assert [s.key for s in alone.train] == [s.key for s in sel.train]
+    assert [s.key for s in alone.eval] == [s.key for s in sel.eval]
+
+
+def test_standing_held_out_records_are_capped_per_domain():
+    prose, code, math_, consumed, _ = _old_and_new()
+    held_out = {s.key for s in prose[:10]}
+    sel = select_round(prose + code + math_, consumed, max_records=64, eval_fraction=0.1,
+                       min_eval=2, max_eval=8, held_out=held_out, standing_per_domain=3)
+    assert [s.key for s in sel.standing] == sorted(held_out)[:3]
+    assert not sel.replay

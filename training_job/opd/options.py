@@ -82,6 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--max-eval-records", type=int, default=64)
     d.add_argument("--eval-max-new-tokens", type=int, default=64)
     d.add_argument("--eval-batch-size", type=int, default=16)
+    d.add_argument("--replay-share", type=float, default=0.25, metavar="F",
+                   help="records of earlier rounds trained on again, as a share of the round's "
+                        "new training records, spread over their domains, so a round of one "
+                        "domain does not train the others away (default 0.25; 0: none)")
+    d.add_argument("--standing-eval-records", type=int, default=8, metavar="N",
+                   help="earlier rounds' held-out records of each domain evaluated beside the "
+                        "round's own, so the gate sees domains this round's traffic lacks "
+                        "(default 8; 0: none)")
     g = p.add_argument_group("the gate (candidate against parent on the held-out prompts)")
     g.add_argument("--gate-min-gain", type=float, default=0.0, metavar="G",
                    help="pass only if the mean held-out tau beats the parent's by G beyond the "
@@ -175,6 +183,8 @@ def check_arguments(args) -> list[str]:
         ("max_eval_records", lambda v: v >= 1, ">= 1"),
         ("eval_max_new_tokens", lambda v: v >= 1, ">= 1"),
         ("eval_batch_size", lambda v: v >= 1, ">= 1"),
+        ("replay_share", lambda v: 0 <= v <= 4, "in [0, 4]"),
+        ("standing_eval_records", lambda v: v >= 0, ">= 0"),
         ("poll_interval", lambda v: v >= 0, ">= 0"),
     ):
         if _bad(getattr(args, name), ok):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from training_job.opd.options import gate_config, opd_config
 from training_job.opd.workdir import (
+    HELDOUT_NAME,
     LEDGER_NAME,
     WORK_NAME,
     GateRejected,
@@ -295,6 +296,7 @@ def run_round(args, par, should_stop=None) -> dict | None:
         raise Stopped("stopped before publishing; the round resumes from its evaluation")
     domains = Counter(s.domain for s in train)
     training.update({"records": len(train), "eval_records": len(held), "round": round_id,
+                     "replay_records": state["traffic"].get("replay", 0),
                      "domains": dict(sorted(domains.items())), "traffic": state["traffic"],
                      "length_head": head})
     version = publish(home, drafter, parent, identity, training, ev["manifest_eval"])
@@ -387,14 +389,17 @@ def finish(home: Path, work: Path, version: str, args) -> dict:
 
 
 def consume(home: Path, work: Path) -> None:
-    """Add the round's keys to the ledger (idempotent: a re-run after a crash adds nothing)."""
+    """Add the round's keys to the ledgers: every new key to consumed.keys, the held-out ones
+    also to heldout.keys, which keeps them out of later rounds' replay (idempotent: a re-run
+    after a crash adds nothing)."""
     from training_job.opd.traffic import Ledger
 
-    keys_file = work / LEDGER_NAME
-    if keys_file.exists():
-        keys = [k for k in keys_file.read_text().splitlines() if k]
-        added = Ledger(home / "distill" / LEDGER_NAME).add(keys)
-        _log(f"{added} traffic records marked consumed")
+    for name, what in ((HELDOUT_NAME, "held out for good"), (LEDGER_NAME, "marked consumed")):
+        keys_file = work / name
+        if keys_file.exists():
+            keys = [k for k in keys_file.read_text().splitlines() if k]
+            added = Ledger(home / "distill" / name).add(keys)
+            _log(f"{added} traffic records {what}")
 
 
 def _broadcast(par, obj):

@@ -19,6 +19,7 @@ from typing import Any
 
 WORK_NAME = "work"
 LEDGER_NAME = "consumed.keys"
+HELDOUT_NAME = "heldout.keys"  # records a round held out: never trained on by a later one
 
 
 class JobError(RuntimeError):
@@ -91,7 +92,9 @@ def _fingerprint(args, cfg, gate_cfg, parent: str, target: dict) -> dict[str, An
     c.pop("ckpt_every", None)
     return {"parent": parent, "target": target.get("config_digest"), "config": c,
             "selection": {"max_records": args.max_records, "eval_fraction": args.eval_fraction,
-                          "min_eval": args.min_eval_records, "max_eval": args.max_eval_records},
+                          "min_eval": args.min_eval_records, "max_eval": args.max_eval_records,
+                          "replay_share": args.replay_share,
+                          "standing_eval": args.standing_eval_records},
             "eval": {"max_new_tokens": args.eval_max_new_tokens,
                      "head_calibration": bool(args.head_calibration)},
             "gate": asdict(gate_cfg)}
@@ -121,7 +124,8 @@ def prepare_round(home: Path, work: Path, args, cfg, gate_cfg, parent: str, targ
         shutil.rmtree(stale, ignore_errors=True)
     report = ReadReport()
     ledger = Ledger(home / "distill" / LEDGER_NAME)
-    consumed = ledger.load()
+    held_ledger = Ledger(home / "distill" / HELDOUT_NAME)
+    consumed, held_out = ledger.load(), held_ledger.load()
     present: set[str] = set()
 
     def seen(samples):
@@ -133,12 +137,17 @@ def prepare_round(home: Path, work: Path, args, cfg, gate_cfg, parent: str, targ
                                          target_digest=target.get("config_digest"))),
                        consumed, max_records=args.max_records,
                        eval_fraction=args.eval_fraction, min_eval=args.min_eval_records,
-                       max_eval=args.max_eval_records)
+                       max_eval=args.max_eval_records, held_out=held_out,
+                       replay_share=args.replay_share,
+                       standing_per_domain=args.standing_eval_records)
     dropped = ledger.retain(present)
+    held_ledger.retain(present)
     if dropped:
         _log(f"forgot {dropped} consumed keys whose records are no longer on the volume")
     _log(f"traffic: {report.summary()}; {sel.new} new records, {sel.usable} usable "
-         f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records)")
+         f"({sel.too_short} too short, {sel.over_cap} older ones past --max-records); "
+         f"{len(sel.replay)} earlier records replayed, {len(sel.standing)} earlier held-out "
+         "records evaluated")
     skipped = dict(sorted(report.skipped.items()))
     if sel.usable < args.min_records:
         raise NotEnoughRecords(f"only {sel.usable} new usable traffic records under "
@@ -153,14 +162,17 @@ def prepare_round(home: Path, work: Path, args, cfg, gate_cfg, parent: str, targ
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with open(tmp / "buffer.jsonl", "w", encoding="utf-8") as f:
-        for split, samples in (("train", sel.train), ("eval", sel.eval)):
+        for split, samples in (("train", sel.train), ("replay", sel.replay), ("eval", sel.eval),
+                               ("standing", sel.standing)):
             for s in samples:
                 f.write(json.dumps({"split": split, **s.to_json()}) + "\n")
     (tmp / LEDGER_NAME).write_text("".join(k + "\n" for k in sel.consumed))
+    (tmp / HELDOUT_NAME).write_text("".join(s.key + "\n" for s in sel.eval))
     state = {
         "id": uuid.uuid4().hex, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fingerprint,
         "traffic": {"new": sel.new, "train": len(sel.train), "eval": len(sel.eval),
+                    "replay": len(sel.replay), "standing_eval": len(sel.standing),
                     "too_short": sel.too_short, "over_cap": sel.over_cap,
                     "skipped_lines": report.skipped_total, "skipped": skipped,
                     "torn_lines": report.torn},
@@ -175,14 +187,16 @@ def prepare_round(home: Path, work: Path, args, cfg, gate_cfg, parent: str, targ
 
 
 def load_buffer(work: Path):
+    """(training records, held-out records) of the round: the new ones and, after them, those
+    of earlier rounds (replayed; standing held-out)."""
     from training_job.opd.traffic import Sample
 
-    train, ev = [], []
+    parts: dict[str, list] = {"train": [], "replay": [], "eval": [], "standing": []}
     with open(work / "buffer.jsonl", encoding="utf-8") as f:
         for line in f:
             obj = json.loads(line)
-            (train if obj.pop("split") == "train" else ev).append(Sample.from_json(obj))
-    return train, ev
+            parts[obj.pop("split")].append(Sample.from_json(obj))
+    return parts["train"] + parts["replay"], parts["eval"] + parts["standing"]
 
 
 def find_published(home: Path, round_id: str) -> tuple[str, dict] | None:

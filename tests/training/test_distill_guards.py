@@ -153,6 +153,9 @@ def test_records_of_this_target_pass_the_fingerprint_check(vol, tmp_path):
     ("--gate-confidence", "1", "--gate-confidence must lie in [0.5, 1)"),
     ("--require-gain", "nan", "minimum gain must be a finite number"),
     ("--min-records", "0", "--min-records must be >= 1"),
+    ("--replay-share", "nan", "--replay-share must be in [0, 4]"),
+    ("--replay-share", "-0.5", "--replay-share must be in [0, 4]"),
+    ("--standing-eval-records", "-1", "--standing-eval-records must be >= 0"),
 ])
 def test_bad_option_values_are_refused_before_any_work(vol, tmp_path, flag, value, says):
     pair, home = vol

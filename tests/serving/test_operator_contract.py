@@ -342,8 +342,6 @@ def test_reloader_sets_and_clears_the_load_error(tmp_path):
 
 
 def test_async_reports_reach_the_api_in_order(tmp_path):
-    import time
-
     from sglang_adaflash.drafter.model import DFlashDrafter
 
     home = tmp_path / "home"
@@ -364,9 +362,7 @@ def test_async_reports_reach_the_api_in_order(tmp_path):
         reloader._fail("rejected", f"v{i + 2:06d}", "bad")
         reloader.status.last_error = reloader.status.last_error_version = None
         reloader._report()
-    deadline = time.monotonic() + 10
-    while reloader._report_thread is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert reloader.flush_reports(timeout=10)
     assert api.annotations[c.LOADED_VERSION] == v1
     assert c.LOAD_ERROR not in api.annotations
 

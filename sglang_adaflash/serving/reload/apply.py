@@ -107,12 +107,15 @@ class SnapshotBuffers:
     Allocated by the watcher thread when it stages a version and reused by every reload, so
     the decode thread allocates nothing; pinned when the live tensors are on a GPU, so the
     copies into it are asynchronous and the decode thread never waits for them (the stream
-    orders them before the write, and a restore after both).
+    orders them before the write, and a restore after both). Written once here, too: fresh host
+    memory is mapped page by page at its first write, and left to the first swap's copy that
+    cost the decode thread a page fault per 4 KB (with the status report's thread start, the
+    first swap took 4-5.5 ms against about 2.5 for later ones: benchmarks/reload/).
     """
 
     def __init__(self, live: Mapping[str, torch.Tensor]):
         self.tensors = {
-            name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            name: torch.zeros(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
             for name, t in live.items()
         }
 

@@ -11,8 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from ..metrics import MetricsSink, NullSink
 from .apply import ReloadTarget, SnapshotBuffers, apply_in_place
 from .contract import ReloadError, version_number
 from .lockstep import LockstepGroup, SingleRank
-from .reporters import Reporter
+from .reporters import Reporter, ReportQueue
 from .source import DesiredVersionSource
 from .staging import StagedDrafter, dir_signature, stage_drafter
 
@@ -91,8 +90,8 @@ class HotReloader:
         self._staged: StagedDrafter | None = None
         self._rejected: dict[str, tuple] = {}  # version -> dir signature when it was rejected
         self._rejected_why: dict[str, str] = {}  # version -> the error it was rejected with
-        self._report_queue: deque[Callable[[], None]] = deque()
-        self._report_thread: threading.Thread | None = None
+        # reports run off the decode thread, in order (an older status never lands after a newer)
+        self._reports = ReportQueue() if report_async and self.reporters else None
         self._steps = 0
         self._snapshot_buffers: SnapshotBuffers | None = None
         self._watcher = BackgroundLoop(self.poll_once, poll_interval_s, name="adaflash-reload")
@@ -175,6 +174,8 @@ class HotReloader:
 
     def stop(self) -> None:
         self._watcher.stop(timeout=10)
+        if self._reports is not None:
+            self._reports.close(timeout=10)
 
     # -- decode-loop side ------------------------------------------------------------------------
 
@@ -250,23 +251,11 @@ class HotReloader:
                 except Exception as e:  # reporting must never break serving
                     logger.warning("adaflash: reporting to %r failed: %s", reporter, e)
 
-        if self.report_async and self.reporters:
-            # One reporting thread, fed in order, so an older status never lands after a newer.
-            with self._lock:
-                self._report_queue.append(run)
-                if self._report_thread is None or not self._report_thread.is_alive():
-                    self._report_thread = threading.Thread(
-                        target=self._drain_reports, name="adaflash-report", daemon=True
-                    )
-                    self._report_thread.start()
-        else:
+        if self._reports is not None:
+            self._reports.put(run)
+        elif self.reporters:
             run()
 
-    def _drain_reports(self) -> None:
-        while True:
-            with self._lock:
-                if not self._report_queue:
-                    self._report_thread = None
-                    return
-                run = self._report_queue.popleft()
-            run()
+    def flush_reports(self, timeout: float | None = None) -> bool:
+        """Wait until every status reported so far reached the reporters; False on timeout."""
+        return self._reports.flush(timeout) if self._reports is not None else True

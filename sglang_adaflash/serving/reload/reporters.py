@@ -13,6 +13,7 @@ import os
 import ssl
 import threading
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +39,62 @@ logger = logging.getLogger(__name__)
 
 class Reporter(Protocol):
     def report(self, status: dict[str, Any]) -> None: ...
+
+
+class ReportQueue:
+    """Runs reports in order on one long-lived thread; the caller only enqueues.
+
+    Reports are made on the decode thread, at a hot swap, between two decode steps. A thread
+    started there per burst of reports made that thread wait for the new one to start (the
+    ``Thread.start`` handshake) and then for the interpreter lock it took: up to 3 ms of a 5 ms
+    step. The thread here starts with the queue and waits on a condition, so ``put`` is an
+    append and a notify.
+    """
+
+    def __init__(self, name: str = "adaflash-report"):
+        self._cv = threading.Condition()
+        self._queue: deque[Callable[[], None]] = deque()
+        self._busy = self._closed = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        """Queue a report; after ``close`` it runs here and now (late, not lost)."""
+        with self._cv:
+            if not self._closed:
+                self._queue.append(job)
+                self._cv.notify()
+                return
+        job()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every report queued so far has run; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, timeout: float | None = 10) -> None:
+        """Run what is queued, then end the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                job()
+            except Exception as e:  # a job is a report, and reporting never breaks serving
+                logger.warning("adaflash: a report failed: %s", e)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
 
 
 class StatusFileReporter:

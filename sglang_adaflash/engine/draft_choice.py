@@ -189,9 +189,8 @@ class DraftChoice:
         profile = self.posterior.best_known(bs, self.block_size - 1)
         if profile is None:
             return True
-        profile = profile.astype(np.float64)
         lens = np.arange(1, self.block_size + 1, dtype=np.float64)
-        gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(profile))])  # float64 (above)
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(profile.astype(np.float64)))])
         row_cost = cost.per_token * lens - cost.per_proposal + cost.per_draft * (lens > 1)
         value = bs * gains / (cost.fixed + cost.draft_fixed * (lens > 1) + bs * row_cost)
         return bool(value[min(max(self.min_len, 2), self.block_size) - 1:].max() > value[0])

@@ -64,6 +64,25 @@ def build_volume(root):
     return pair, home
 
 
+def write_batch(home, pair, batch: int, n: int, domains=("code", "math")) -> list[str]:
+    """``n`` records from writer ``pod-<batch>`` (random prompts and outputs, domains in turn,
+    timestamps after every earlier batch's); returns their ids."""
+    rng = random.Random(batch)
+    ids = []
+    with TrafficWriter(home, f"pod-{batch}", max_records=n) as w:
+        for i in range(n):
+            prompt = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(5)]
+            out = [rng.randrange(8, pair.vocab_size) for _ in range(10)]
+            rid = f"b{batch}-{i}"
+            w.write(TrafficRecord(id=rid, model="tiny", drafter_version="v000001",
+                                  prompt_ids=prompt, output_ids=out,
+                                  sampling={"temperature": 0.0}, accept_lens=[1] * len(out),
+                                  finish_reason="length", domain=domains[i % len(domains)],
+                                  ts=1000.0 * batch + i))
+            ids.append(rid)
+    return ids
+
+
 def copy_volume(base, tmp_path):
     pair, home = base
     mine = tmp_path / "home"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -16,10 +15,11 @@ import pytest
 
 from sglang_adaflash.drafter.manifest import target_fingerprint
 from sglang_adaflash.drafter.store import list_versions, publish_checkpoint, verify_version
-from sglang_adaflash.serving.traffic import TrafficRecord, TrafficWriter
 from sglang_adaflash.testing.tiny_pair import build_tiny_pair
 from training_job import distill
 from training_job.opd.traffic import Ledger
+
+from . import distill_volume
 
 BATCH = 12
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,21 +38,7 @@ def home(pair, tmp_path):
 
 
 def write_batch(home: Path, pair, batch: int, n: int = BATCH) -> list[str]:
-    """``n`` records from writer ``pod-<batch>``; returns their ids."""
-    rng = random.Random(batch)
-    ids = []
-    with TrafficWriter(home, f"pod-{batch}", max_records=n) as w:
-        for i in range(n):
-            prompt = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(5)]
-            out = [rng.randrange(8, pair.vocab_size) for _ in range(10)]
-            rid = f"b{batch}-{i}"
-            w.write(TrafficRecord(id=rid, model="tiny", drafter_version="v000001",
-                                  prompt_ids=prompt, output_ids=out,
-                                  sampling={"temperature": 0.0}, accept_lens=[1] * len(out),
-                                  finish_reason="length", domain=("code", "math")[i % 2],
-                                  ts=1000.0 * batch + i))
-            ids.append(rid)
-    return ids
+    return distill_volume.write_batch(home, pair, batch, n)
 
 
 def _argv(pair, home, report, *extra):

@@ -19,7 +19,7 @@ from training_job import distill
 from training_job.opd import round as round_mod
 from training_job.opd.traffic import Ledger
 
-from .distill_volume import N_SGLANG, N_TRAFFIC, job_argv
+from .distill_volume import N_SGLANG, N_TRAFFIC, job_argv, write_batch
 
 _argv = job_argv
 
@@ -124,23 +124,6 @@ def _recomputed_eval(pair, home) -> dict:
     return out
 
 
-def _new_traffic(pair, home, domain: str, n: int) -> None:
-    """``n`` new records of one domain from a third writer."""
-    import random
-
-    from sglang_adaflash.serving.traffic import TrafficRecord, TrafficWriter
-
-    rng = random.Random(7)
-    with TrafficWriter(home, "pod-c") as w:
-        for i in range(n):
-            p = [1, 4] + [rng.randrange(8, pair.vocab_size) for _ in range(5)]
-            o = [rng.randrange(8, pair.vocab_size) for _ in range(12)]
-            w.write(TrafficRecord(id=f"{domain}{i}", model="tiny", drafter_version="v000002",
-                                  prompt_ids=p, output_ids=o, sampling={"temperature": 0.0},
-                                  accept_lens=[1] * len(o), finish_reason="length",
-                                  domain=domain, ts=2000.0 + i))
-
-
 @pytest.mark.parametrize("keep_old", [True, False])
 def test_a_round_of_one_domain_replays_the_others_and_evaluates_them(vol, tmp_path, keep_old):
     """The second round's new traffic is prose alone. By default it also trains on a quarter as
@@ -153,7 +136,7 @@ def test_a_round_of_one_domain_replays_the_others_and_evaluates_them(vol, tmp_pa
     first_held = Ledger(home / "distill" / "heldout.keys").load()
     first_eval = {k for k, *_ in verify_version(home, "v000002")["eval"]["per_prompt"]["candidate"]}
     assert first_held == first_eval and len(first_held) == 4
-    _new_traffic(pair, home, "prose", 24)
+    write_batch(home, pair, 2, 24, domains=("prose",))
     extra = () if keep_old else ("--replay-share", "0", "--standing-eval-records", "0")
     assert distill.main(_argv(pair, home, report, "--parent", "v000002", *extra)) == 0
     m = verify_version(home, "v000003")

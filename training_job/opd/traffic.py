@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import heapq
 import json
 import math
 import os
@@ -300,35 +299,24 @@ def _newest_first(s: Sample) -> tuple:
 
 class _PerDomain:
     """At most ``cap`` samples of each domain, the ones ``order`` puts first: what the round
-    needs of old traffic, without holding every old record of the volume in memory."""
+    needs of old traffic, without holding every old record of the volume in memory (a domain's
+    list is cut back to ``cap`` whenever it reaches twice that)."""
 
     def __init__(self, cap: int, order):
         self.cap, self.order = cap, order
-        self.heaps: dict[str, list] = {}
+        self.kept: dict[str, list[Sample]] = {}
 
     def add(self, s: Sample) -> None:
         if self.cap <= 0:
             return
-        heap = self.heaps.setdefault(s.domain, [])  # heap[0]: the kept sample order puts last
-        item = _Rev(self.order(s), s)
-        if len(heap) < self.cap:
-            heapq.heappush(heap, item)
-        elif heap[0] < item:
-            heapq.heapreplace(heap, item)
+        kept = self.kept.setdefault(s.domain, [])
+        kept.append(s)
+        if len(kept) >= 2 * self.cap:
+            kept.sort(key=self.order)
+            del kept[self.cap:]
 
     def lists(self) -> dict[str, list[Sample]]:
-        return {d: [it.sample for it in sorted(h, reverse=True)] for d, h in sorted(self.heaps.items())}
-
-
-@dataclass(frozen=True)
-class _Rev:
-    """Orders by ``key`` reversed: the heap's smallest is the sample ``order`` puts last."""
-
-    key: tuple
-    sample: Sample
-
-    def __lt__(self, other: _Rev) -> bool:
-        return self.key > other.key
+        return {d: sorted(k, key=self.order)[:self.cap] for d, k in sorted(self.kept.items())}
 
 
 def spread_over_domains(pools: dict[str, list[Sample]], n: int) -> list[Sample]:

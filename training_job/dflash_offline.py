@@ -24,7 +24,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +52,14 @@ class DrafterTrainConfig:
     # A second pass: the target continues each record's reference response from a seeded cut
     # (continuation_contexts), for up to this many tokens; 0 turns it off.
     continuation_new_tokens: int = 96
+    # How many such continuations per record, each from its own seeded cut (pass 0 is the
+    # first recipe's; later passes add data from other depths of the same responses).
+    continuation_passes: int = 1
     gen_batch_size: int = 64
+    # Start from this drafter's weights (a DFlash-format directory with the same architecture),
+    # length head included, instead of a fresh initialisation: a second stage of training on
+    # more data at a lower learning rate (docs/models.md, "The refined drafter").
+    init_from: str | None = None
     # Drafter optimisation.
     anchors_per_seq: int = 32
     batch_size: int = 4  # sequences per step
@@ -86,6 +93,16 @@ class DrafterTrainConfig:
                    max_new_tokens=12, continuation_new_tokens=6, gen_batch_size=4, anchors_per_seq=4, batch_size=2,
                    max_steps=8, warmup_steps=2, head_steps=4, ckpt_every=4, save_dtype="float32")
 
+    def refined(self, base_dir: str | Path, max_steps: int = 3000,
+                head_steps: int = 300) -> DrafterTrainConfig:
+        """The second stage's recipe on top of this one: start from ``base_dir``'s drafter,
+        add a second pass of continuations (new cuts: data from other depths of the responses),
+        a new data order, and a shorter cosine from a lower peak (docs/models.md, "The refined
+        drafter")."""
+        return replace(self, init_from=str(base_dir), continuation_passes=max(2, self.continuation_passes),
+                       seed=self.seed + 1, lr=self.lr / 2, min_lr=self.min_lr / 2,
+                       max_steps=max_steps, head_steps=head_steps)
+
     @classmethod
     def from_dict(cls, d: dict) -> DrafterTrainConfig:
         names = {f.name for f in fields(cls)}
@@ -110,10 +127,11 @@ def regenerate(target, tokenizer, records: list[dict], out_path: Path, max_new_t
     return generate_greedy(target, items, out_path, max_new_tokens, stop_ids, batch_size, progress)
 
 
-def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400) -> list[tuple]:
+def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400,
+                          pass_: int = 0) -> list[tuple]:
     """``(id, domain, context ids)`` per record: its prompt and its reference response cut at a
-    point drawn from the record's id (so a rebuild cuts the same place), the last
-    ``max_context`` tokens of that. The target continues these greedily: data from the middle
+    point drawn from the record's id and ``pass_`` (so a rebuild cuts the same place, and each
+    pass somewhere else), the last ``max_context`` tokens of that. The target continues these greedily: data from the middle
     of responses and from longer contexts than a prompt alone gives (acceptance falls with
     context length: benchmarks/adaptive/context/)."""
     out = []
@@ -122,8 +140,9 @@ def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400
         resp = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
         if len(resp) < 16:
             continue
-        cut = random.Random(f"{r['id']}-cut").randint(8, len(resp) - 4)
-        out.append((r["id"] + "#cont", r["domain"], (prompt + resp[:cut])[-max_context:]))
+        tag = "" if pass_ == 0 else str(pass_)  # pass 0 keeps the first recipe's ids and cuts
+        cut = random.Random(f"{r['id']}-cut{tag}").randint(8, len(resp) - 4)
+        out.append((f"{r['id']}#cont{tag}", r["domain"], (prompt + resp[:cut])[-max_context:]))
     return out
 
 
@@ -386,6 +405,52 @@ def _save(path: Path, state: dict) -> None:
         torch.save(state, tmp)
 
 
+def warm_start(drafter, path: Path) -> None:
+    """Load a trained drafter's weights (and length head) into ``drafter``, in place; the
+    architecture must match, except that ``drafter``'s MLPs may be wider (the checkpoint's
+    hashes are verified first)."""
+    from sglang_adaflash.drafter.checkpoint import read_checkpoint
+
+    init_cfg, state = read_checkpoint(path)
+    mine = drafter.config
+    for k in ("hidden_size", "num_hidden_layers", "target_layer_ids", "block_size", "vocab_size",
+              "mask_token_id"):
+        if getattr(init_cfg, k) != getattr(mine, k):
+            raise ValueError(f"init_from {path}: {k}={getattr(init_cfg, k)}, but this recipe "
+                             f"builds {getattr(mine, k)}")
+    if init_cfg.intermediate_size > mine.intermediate_size:
+        raise ValueError(f"init_from {path}: its MLP is {init_cfg.intermediate_size} wide, wider "
+                         f"than this recipe's {mine.intermediate_size}")
+    if any(k.startswith("thresh_head") for k in state):
+        drafter.ensure_length_head()
+    ref = drafter.fc.weight  # the embedding and LM head are the target's, in no state dict
+    state = {k: v.to(dtype=ref.dtype, device=ref.device) for k, v in state.items()}
+    if init_cfg.intermediate_size < mine.intermediate_size:
+        state = _widen_mlps(state, drafter.state_dict())
+    drafter.load_state_dict(state)
+
+
+def _widen_mlps(state: dict, fresh: dict) -> dict:
+    """A trained drafter's weights in a drafter with wider MLPs, computing the same function:
+    the new units keep their fresh random gate and up rows, and their down-projection columns
+    start at zero, so they add nothing until training moves them (Net2Net's idea)."""
+    out = dict(state)
+    for name, w in state.items():
+        new = fresh[name]
+        if new.shape == w.shape:
+            continue
+        grown = new.detach().clone()
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            grown[:w.shape[0]] = w  # [I, H]: old units first
+        elif name.endswith("mlp.down_proj.weight"):
+            grown.zero_()
+            grown[:, :w.shape[1]] = w  # [H, I]: the new units' outputs start at zero
+        else:
+            raise ValueError(f"{name}: {tuple(w.shape)} cannot grow to {tuple(new.shape)}")
+        out[name] = grown
+    return out
+
+
 def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, work_dir: Path,
                   progress: bool = True):
     """Train the drafter layers (target frozen) and return ``(drafter, stats)``."""
@@ -398,6 +463,8 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
     mask_id = tokenizer.convert_tokens_to_ids(cf.MASK)
     drafter = build_drafter(target.config, cfg, mask_id)
     drafter.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
+    if cfg.init_from:
+        warm_start(drafter, Path(cfg.init_from))
     for p in target.parameters():
         p.requires_grad_(False)
     params = [p for n, p in drafter.named_parameters() if not n.startswith("thresh_head")]
@@ -407,7 +474,7 @@ def train_drafter(target, tokenizer, seqs: list[dict], cfg: DrafterTrainConfig, 
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         saved = DrafterTrainConfig.from_dict(state["config"])
-        for k in ("num_layers", "intermediate_size", "target_layer_ids", "block_size"):
+        for k in ("num_layers", "intermediate_size", "target_layer_ids", "block_size", "init_from"):
             if getattr(saved, k) != getattr(cfg, k):
                 raise ValueError(f"{ckpt} was trained with {k}={getattr(saved, k)}, now "
                                  f"{getattr(cfg, k)}: delete it or use the same config")

@@ -1,7 +1,8 @@
-"""Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood -> drafter.
+"""Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood ->
+drafter -> refine (the drafter's second stage).
 
     python -m training_job.models build --out DIR [--toy]
-        [--stages data,tokenizer,target,unlikelihood,drafter]
+        [--stages data,tokenizer,target,unlikelihood,drafter,refine]
     python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
 
 Each stage writes its output atomically and is skipped when that output already exists, so an
@@ -20,6 +21,8 @@ Layout of DIR::
     drafter_work/    regenerated responses (regen.*.jsonl), drafter and length-head checkpoints
     drafter/         DFlash-format drafter checkpoint (config.json, model.safetensors,
                      manifest.json) with the AdaFlash length head
+    drafter_refined_work/, drafter_refined/   the second stage: drafter/ trained further on more
+                     continuations at a lower learning rate (what `ship` copies when present)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .dflash_offline import DrafterTrainConfig
 from .target_lm import TargetConfig
 from .target_unlikelihood import UnlikelihoodConfig
 
-STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter")
+STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter", "refine")
 # Held-out prompts per domain whose regenerated responses measure the drafter (block tau).
 EVAL_PROMPTS = 48
 
@@ -107,7 +110,8 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
     """The target's greedy data the drafters train on (work/regen.train.jsonl: responses to the
     training prompts of cfg.domains; work/regen.cont.jsonl: continuations of their reference
     responses from a seeded cut, when cfg.continuation_new_tokens > 0) and are measured on
-    (work/regen.heldout.jsonl); resumes from what is there."""
+    (work/regen.heldout.jsonl); later continuation passes cut elsewhere (regen.cont<k>.jsonl);
+    resumes from what is there."""
     from . import dflash_offline as dfo
 
     work.mkdir(parents=True, exist_ok=True)
@@ -120,9 +124,11 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
                           cfg.max_new_tokens, cfg.gen_batch_size, progress)
     if cfg.continuation_new_tokens > 0:
         stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
-        seqs += dfo.generate_greedy(target, dfo.continuation_contexts(tokenizer, train_recs),
-                                    work / "regen.cont.jsonl", cfg.continuation_new_tokens, stop_ids,
-                                    cfg.gen_batch_size, progress)
+        for k in range(cfg.continuation_passes):
+            name = "regen.cont.jsonl" if k == 0 else f"regen.cont{k}.jsonl"
+            seqs += dfo.generate_greedy(target, dfo.continuation_contexts(tokenizer, train_recs, pass_=k),
+                                        work / name, cfg.continuation_new_tokens, stop_ids,
+                                        cfg.gen_batch_size, progress)
     eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
     eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
                                cfg.max_new_tokens, cfg.gen_batch_size, progress)
@@ -130,21 +136,26 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
 
 
 def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrainConfig,
-                  progress: bool = True) -> Path:
-    """Regenerate with the target, train the drafter on code and prose, then its length head."""
+                  progress: bool = True, name: str = "drafter") -> Path:
+    """Regenerate with the target, train the drafter on code and prose, then its length head.
+
+    ``name`` "drafter_refined" is the second stage: ``cfg.init_from`` is the first stage's
+    drafter, the regenerated data is shared with it (drafter_work/), its checkpoints go to
+    drafter_refined_work/."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import dflash_offline as dfo
 
-    drafter_dir = out / "drafter"
+    drafter_dir = out / name
     if (drafter_dir / "manifest.json").exists():
         return drafter_dir
-    work = out / "drafter_work"
+    work = out / f"{name}_work"
     torch.set_num_threads(cfg.threads)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    seqs, eval_seqs = regenerate_responses(work, data_dir, target, tokenizer, cfg, progress)
+    seqs, eval_seqs = regenerate_responses(out / "drafter_work", data_dir, target, tokenizer, cfg,
+                                           progress)
     drafter, train_stats = dfo.train_drafter(target, tokenizer, seqs, cfg, work, progress)
     head_stats = dfo.train_length_head(target, tokenizer, drafter, seqs, cfg, work, progress)
     tau = {d: dfo.evaluate_blocks(target, tokenizer, drafter,
@@ -153,6 +164,11 @@ def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrain
     training = {"algorithm": "dflash-offline", "records": len(seqs), "steps": train_stats["steps"],
                 "final_loss": train_stats["final_loss"], "length_head": head_stats,
                 "domains": list(cfg.domains)}
+    if cfg.init_from:
+        from sglang_adaflash.drafter.checkpoint import sha256_file
+
+        training["init_from"] = {"name": Path(cfg.init_from).name,
+                                 "model_sha256": sha256_file(Path(cfg.init_from) / "model.safetensors")}
     evaluation = {"tau_by_domain": {d: round(v["tau_mean"], 3) for d, v in tau.items()},
                   "method": f"one block at 4 random anchors per held-out response, "
                             f"block {cfg.block_size}, teacher-forced context",
@@ -183,6 +199,11 @@ def build(out: Path, toy: bool = False, stages=STAGES, target_cfg: TargetConfig 
     if "drafter" in stages:
         dcfg = drafter_cfg or (DrafterTrainConfig.toy() if toy else DrafterTrainConfig())
         paths["drafter"] = stage_drafter(out, paths["data"], out / "target", dcfg, progress)
+    if "refine" in stages:
+        rcfg = (DrafterTrainConfig.toy().refined(out / "drafter", max_steps=4, head_steps=2) if toy
+                else DrafterTrainConfig().refined(out / "drafter"))
+        paths["drafter_refined"] = stage_drafter(out, paths["data"], out / "target", rcfg, progress,
+                                                 name="drafter_refined")
     print(f"built {', '.join(paths)} in {time.time() - t0:.1f}s under {out}")
     return paths
 
@@ -212,8 +233,10 @@ def ship(build_dir: Path, assets_dir: Path | None = None) -> None:
     for d in DOMAINS:
         shutil.copyfile(build_dir / "data" / f"{d}.heldout.jsonl", wl / f"{d}.heldout.jsonl")
     shutil.copyfile(build_dir / "data" / "manifest.json", wl / "manifest.json")
-    if (build_dir / "drafter" / "manifest.json").exists():
-        _copy_tree(build_dir / "drafter", assets_dir / "models" / "drafter")
+    for name in ("drafter_refined", "drafter"):  # the second stage's drafter when there is one
+        if (build_dir / name / "manifest.json").exists():
+            _copy_tree(build_dir / name, assets_dir / "models" / "drafter")
+            break
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,3 +171,101 @@ def test_loss_slots_keep_what_weighs_and_read_the_same_states():
     full = drafter_forward(d, feats, b)
     lead = drafter_forward(d, feats, b, slots=4)
     assert lead.shape == (2, 4, 32) and torch.allclose(lead, full[:, :4], atol=1e-6)
+
+
+def _tiny_target_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+def test_warm_start_loads_every_weight_and_the_head_and_refuses_another_architecture(tmp_path):
+    import pytest
+
+    from sglang_adaflash.drafter.checkpoint import save_drafter
+    from training_job.dflash_offline import warm_start
+
+    torch.manual_seed(0)
+    cfg = DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4)
+    trained = build_drafter(_tiny_target_config(), cfg, MASK)
+    trained.ensure_length_head()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))
+    save_drafter(tmp_path / "base", trained)
+    fresh = build_drafter(_tiny_target_config(), cfg, MASK)
+    assert fresh.length_head is None
+    warm_start(fresh, tmp_path / "base")
+    assert fresh.length_head is not None
+    mine, theirs = fresh.state_dict(), trained.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        assert torch.equal(mine[k], theirs[k]), k
+    # A recipe that builds another drafter is refused, not half-loaded.
+    other = build_drafter(_tiny_target_config(), DrafterTrainConfig(target_layer_ids=[0, 1], block_size=8), MASK)
+    with pytest.raises(ValueError, match="block_size"):
+        warm_start(other, tmp_path / "base")
+    narrow = build_drafter(_tiny_target_config(), DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4,
+                                                                     intermediate_size=32), MASK)
+    with pytest.raises(ValueError, match="wider"):
+        warm_start(narrow, tmp_path / "base")
+
+
+def test_a_wider_drafter_starts_as_the_function_it_grew_from_and_its_new_units_learn(tmp_path):
+    from sglang_adaflash.drafter.checkpoint import save_drafter
+    from training_job.dflash_offline import warm_start
+
+    torch.manual_seed(0)
+    tc = _tiny_target_config()
+    embed, head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)
+    base = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4), MASK)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # trained-looking: down_proj far from zero
+    save_drafter(tmp_path / "base", base)
+    wide = build_drafter(tc, DrafterTrainConfig(target_layer_ids=[0, 1], block_size=4, intermediate_size=160), MASK)
+    warm_start(wide, tmp_path / "base")
+    assert wide.layers[0].mlp.gate_proj.weight.shape == (160, 32)
+    for d in (base, wide):
+        d.share_target_modules(embed, head)
+    ids = torch.randint(8, 64, (2, 16))
+    feats = torch.randn(2, 16, 64)
+    b = make_blocks(ids, [16, 16], [[2, 6, 9], [4, 8, 11]], 4, MASK)
+    with torch.no_grad():
+        same = wide.logits(drafter_forward(wide, feats, b))
+        torch.testing.assert_close(same, base.logits(drafter_forward(base, feats, b)), rtol=1e-5, atol=1e-5)
+    new_cols = wide.layers[0].mlp.down_proj.weight[:, 64:]
+    assert new_cols.abs().max() == 0
+    new_rows = wide.layers[0].mlp.gate_proj.weight[64:]
+    assert new_rows.abs().max() > 0  # fresh random rows, or the new units could never differ
+    opt = torch.optim.AdamW(wide.parameters(), lr=1e-2)
+    for _ in range(3):
+        weighted_ce(wide.logits(drafter_forward(wide, feats, b)), b.labels, position_weights(4, 2.0)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert wide.layers[0].mlp.down_proj.weight[:, 64:].abs().max() > 0
+
+
+def test_the_refined_recipe_starts_from_its_base_and_cuts_its_continuations_elsewhere(tmp_path):
+    from training_job.dflash_offline import continuation_contexts
+
+    base = DrafterTrainConfig()
+    r = base.refined(tmp_path / "drafter")
+    assert r.init_from == str(tmp_path / "drafter") and r.continuation_passes == 2
+    assert r.lr < base.lr and r.seed != base.seed
+    assert (r.block_size, r.target_layer_ids, r.num_layers) == (base.block_size, base.target_layer_ids,
+                                                                base.num_layers)
+
+    class Tok:  # one id per character: cuts are visible as lengths
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 50 for c in text]}
+
+    recs = [{"id": f"r{i}", "domain": "code", "prompt": "p", "response": "x" * 200} for i in range(20)]
+    first = continuation_contexts(Tok(), recs)
+    again = continuation_contexts(Tok(), recs)
+    second = continuation_contexts(Tok(), recs, pass_=1)
+    assert [c[0] for c in first] == [f"r{i}#cont" for i in range(20)]  # pass 0: the first recipe's ids
+    assert [c[0] for c in second] == [f"r{i}#cont1" for i in range(20)]
+    assert [len(c[2]) for c in first] == [len(c[2]) for c in again]  # seeded: a rebuild cuts alike
+    assert sum(len(a[2]) != len(b[2]) for a, b in zip(first, second)) >= 15  # elsewhere

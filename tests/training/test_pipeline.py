@@ -1,5 +1,5 @@
 """The whole embedded-pair pipeline at toy scale: data -> tokenizer -> target -> loop fine-tune
--> drafter, then a second build that retrains nothing."""
+-> drafter -> its second stage, then a second build that retrains nothing."""
 
 from __future__ import annotations
 
@@ -54,6 +54,21 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     manifest = json.loads((paths["drafter"] / "manifest.json").read_text())
     check_target(manifest, target)
     assert set(manifest["eval"]["tau_by_domain"]) == {"code", "math", "prose"}
+
+    # The second stage starts from that drafter, on a second pass of continuations, and is what
+    # `ship` copies.
+    from sglang_adaflash.drafter.checkpoint import sha256_file
+
+    refined = paths["drafter_refined"]
+    rman = json.loads((refined / "manifest.json").read_text())
+    assert rman["training"]["init_from"]["model_sha256"] == sha256_file(paths["drafter"] / "model.safetensors")
+    assert load_drafter(refined).length_head is not None
+    cont1 = [json.loads(x) for x in (tmp_path / "drafter_work" / "regen.cont1.jsonl").open()]
+    assert cont1 and all(r["id"].endswith("#cont1") for r in cont1)
+    assert rman["training"]["records"] > manifest["training"]["records"]
+    models.ship(tmp_path, assets_dir=tmp_path / "assets")
+    assert sha256_file(tmp_path / "assets" / "models" / "drafter" / "model.safetensors") == \
+        sha256_file(refined / "model.safetensors")
 
     # A second build finds every stage's output and retrains nothing.
     models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)

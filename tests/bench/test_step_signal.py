@@ -3,21 +3,15 @@ is known (a signal that separates the classes, its reverse, and noise)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive" / "step_signal.py"
+from tests.bench.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def signal():
-    spec = importlib.util.spec_from_file_location("adaptive_step_signal", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("adaptive/step_signal.py")
 
 
 def test_auc_reads_separation_reversal_and_noise(signal):

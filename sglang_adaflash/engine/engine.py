@@ -653,7 +653,7 @@ class SpecEngine:
     def _all_rows(self, bs: int) -> torch.Tensor:
         """torch.arange(bs) on the device, built once per engine (asked on every plain step)."""
         if self._arange is None or self._arange.shape[0] < bs:
-            self._arange = torch.arange(self.max_batch_size, device=self.device)
+            self._arange = torch.arange(max(bs, self.max_batch_size), device=self.device)
         return self._arange[:bs]
 
     def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor, feats: torch.Tensor) -> None:

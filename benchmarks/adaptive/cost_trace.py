@@ -21,11 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
-from run import cell_requests, one_cell  # noqa: E402
+from run import cell_engine, cell_requests, one_cell  # noqa: E402
 
 from sglang_adaflash.engine.draft_choice import DraftChoice  # noqa: E402
-from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
-from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,9 +38,7 @@ def main(argv=None) -> int:
     def requests():
         return cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))
 
-    engine = make_engine(pair, "adaflash", c, max_seq, 0, num_requests=n)
-    engine.run(requests()[:2])  # run.py's warm-up
-    engine.posterior = SurvivalPosterior(engine.max_batch_size, device=engine.device)  # cold, as run.py
+    engine = cell_engine(pair, "adaflash", c, prompts, n, max_seq)  # warm, then cold calibration, as run.py
     plan = DraftChoice._plan_on_host if engine.choice.host else DraftChoice._plan_on_device
     step = [0]
 

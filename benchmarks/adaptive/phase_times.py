@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
-from run import cell_requests, one_cell  # noqa: E402
-
-from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
-from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
+from run import cell_engine, cell_requests, one_cell  # noqa: E402
 
 PHASES = ("_prefill", "_decode_step", "_choose_drafted", "_draft", "_catch_up", "_verify_step",
           "_update_context", "_commit", "_retire")
@@ -52,10 +49,7 @@ def main(argv=None) -> int:
     pair, prompts, n, max_seq = one_cell(args.workload, c)
     runs = []
     for mode in ("ar", "adaflash") * args.repeats:
-        eng = make_engine(pair, mode, c, max_seq, 0, num_requests=n)
-        eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])  # run.py's warm-up
-        if mode == "adaflash":
-            eng.posterior = SurvivalPosterior(eng.max_batch_size, device=eng.device)
+        eng = cell_engine(pair, mode, c, prompts, n, max_seq)
         seconds, calls = collections.defaultdict(float), collections.Counter()
         for name in PHASES:
             if hasattr(eng, name):

@@ -23,10 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
-from run import cell_requests, one_cell  # noqa: E402
-
-from sglang_adaflash.launch.engine_factory import make_engine  # noqa: E402
-from sglang_adaflash.planner.calibration import SurvivalPosterior  # noqa: E402
+from run import cell_engine, cell_requests, one_cell  # noqa: E402
 
 MODES = ("ar", "adaflash")
 
@@ -50,10 +47,7 @@ def main(argv=None) -> int:
     calls = {m: collections.Counter() for m in MODES}
     steps, seconds = collections.Counter(), collections.defaultdict(list)
     for mode in MODES * args.repeats:
-        eng = make_engine(pair, mode, args.concurrency, max_seq, 0, num_requests=n)
-        eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])  # run.py's warm-up
-        if mode == "adaflash":
-            eng.posterior = SurvivalPosterior(eng.max_batch_size, device=eng.device)
+        eng = cell_engine(pair, mode, args.concurrency, prompts, n, max_seq)
         requests = cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))
         before, prof = eng.stats.steps, cProfile.Profile()
         t0 = time.perf_counter()

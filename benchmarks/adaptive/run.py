@@ -60,12 +60,23 @@ def workloads(per_domain: int) -> dict[str, list]:
 
 def one_cell(workload: str, concurrency: int, threads: int = 1):
     """(pair, prompts, n, max_seq) for one cell at this file's defaults (16 prompts a domain, 64
-    new tokens): what the single-cell scripts beside it (cost_trace.py, phase_times.py) build."""
+    new tokens): what the single-cell scripts beside it (cost_trace.py, phase_times.py,
+    profile_diff.py) build."""
     torch.set_num_threads(threads)
     pair = load_pair(MODELS_DIR / "target", str(MODELS_DIR / "drafter"), dtype="float32")
     prompts = [(resolve_prompt_ids(s, pair.tokenizer), s.domain) for s in workloads(16)[workload]]
     n = max(2 * concurrency, len(prompts))
     return pair, prompts, n, max(len(p) for p, _ in prompts) + 64
+
+
+def cell_engine(pair, mode: str, concurrency: int, prompts, n: int, max_seq: int):
+    """One mode's engine for a one_cell cell, as this file's timed runs meet it: after the
+    two-request warm-up (allocator, adaflash's cost profile) and with a cold calibration state."""
+    eng = make_engine(pair, mode, concurrency, max_seq, 0, num_requests=n)
+    eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])
+    if eng.posterior is not None:
+        eng.posterior = SurvivalPosterior(eng.max_batch_size, device=eng.device)
+    return eng
 
 
 def cell_requests(prompts, n: int, max_new_tokens: int, stop) -> list[Request]:

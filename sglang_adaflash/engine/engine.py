@@ -524,8 +524,7 @@ class SpecEngine:
     def _draft_caps(self, seqs: list[_Seq]) -> list[int]:
         """Tokens each row may verify this step: its block or what it has left, 1 (plain) for a
         row whose drafter context is stale (drafter_swapped)."""
-        b = self.block_size  # (`remaining` inlined: this runs over the batch on every step)
-        return [1 if s.stale_context else min(b, s.req.sampling.max_new_tokens - len(s.output)) for s in seqs]
+        return [1 if s.stale_context else min(self.block_size, s.remaining) for s in seqs]
 
     def _choose_drafted(self, seqs: list[_Seq], caps: list[int]) -> tuple[list[int], list[int]]:
         """Rows to draft this step and the forced ones among them (draft_choice.DraftChoice)."""

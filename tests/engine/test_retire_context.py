@@ -10,13 +10,11 @@ import torch
 from sglang_adaflash.core.sampling import SamplingParams
 from sglang_adaflash.engine.engine import SpecEngine
 from sglang_adaflash.engine.request import Request
-from sglang_adaflash.planner.cost import StepCostModel
 
+# DEAR_DRAFTS: drafting never pays at its price, so rows run plain, queue their context and are
+# drafted on first reads and probes only: most rows hold a backlog when another request finishes
+from .test_adaptive import DEAR_DRAFTS
 from .test_lossless_greedy import _prompts
-
-# drafting never pays at this price: rows run plain, queue their context and are drafted on
-# first reads and probes only, so most rows hold a backlog when another request finishes
-DEAR_DRAFTS = StepCostModel(fixed=0.01, per_token=0.001, per_draft=0.004, draft_fixed=0.004)
 
 
 def _contexts(eng: SpecEngine) -> dict[str, tuple[int, list]]:

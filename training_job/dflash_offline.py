@@ -56,6 +56,11 @@ class DrafterTrainConfig:
     # first recipe's; later passes add data from other depths of the same responses).
     continuation_passes: int = 1
     gen_batch_size: int = 64
+    # Synthetic typed problems in HumanEval's layout added to the code prompts
+    # (training_job/data/code_problems.py; none of them a HumanEval problem), each response
+    # seen problems_repeat times per pass over the data; 0 turns them off.
+    code_problems: int = 0
+    problems_repeat: int = 1
     # Start from this drafter's weights (a DFlash-format directory with the same architecture),
     # length head included, instead of a fresh initialisation: a second stage of training on
     # more data at a lower learning rate (docs/models.md, "A second stage").
@@ -102,6 +107,15 @@ class DrafterTrainConfig:
         return replace(self, init_from=str(base_dir), continuation_passes=max(2, self.continuation_passes),
                        seed=self.seed + 1, lr=self.lr / 2, min_lr=self.min_lr / 2,
                        max_steps=max_steps, head_steps=head_steps)
+
+    def with_problems(self, base_dir: str | Path, n: int = 6000, repeat: int = 2,
+                      max_steps: int = 2500, head_steps: int = 300) -> DrafterTrainConfig:
+        """The third stage on top of the second: start from ``base_dir``'s drafter and add the
+        target's answers to ``n`` typed problems in HumanEval's layout to the second stage's
+        data, at half its peak learning rate (docs/models.md, "The third stage")."""
+        base = self.refined(base_dir, max_steps=max_steps, head_steps=head_steps)
+        return replace(base, code_problems=n, problems_repeat=repeat, seed=base.seed + 1,
+                       lr=base.lr / 2, min_lr=base.min_lr / 2)
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterTrainConfig:

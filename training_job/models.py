@@ -1,5 +1,5 @@
 """Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood ->
-drafter -> refine (the drafter's second stage, the shipped drafter).
+drafter -> refine (the drafter's second stage, the shipped drafter) [-> problems, a third].
 
     python -m training_job.models build --out DIR [--toy]
         [--stages data,tokenizer,target,unlikelihood,drafter,refine]      # the default
@@ -22,7 +22,10 @@ Layout of DIR::
     drafter/         DFlash-format drafter checkpoint (config.json, model.safetensors,
                      manifest.json) with the AdaFlash length head
     drafter_refined_work/, drafter_refined/   the second stage: drafter/ trained further on more
-                     continuations at a lower learning rate (what `ship` copies when present)
+                     continuations at a lower learning rate
+    drafter_problems_work/, drafter_problems/  the third stage (not in the default build):
+                     drafter_refined/ trained further with the target's answers to typed
+                     problems in HumanEval's layout added (`ship` copies the last stage present)
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ from .dflash_offline import DrafterTrainConfig
 from .target_lm import TargetConfig
 from .target_unlikelihood import UnlikelihoodConfig
 
-STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter", "refine")
-# What `build` runs unless told: every stage, since the shipped drafter is the second stage's
-# (refine; docs/models.md, Drafter). `ship` copies drafter_refined/ when it exists.
-DEFAULT_STAGES: tuple[str, ...] = STAGES
+STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter", "refine", "problems")
+# What `build` runs unless told: up to the stage of the shipped drafter, the second
+# (refine; docs/models.md, Drafter). `ship` copies the last stage's drafter that exists.
+DEFAULT_STAGES: tuple[str, ...] = STAGES[:-1]
+# The typed problems of the third stage (training_job/data/code_problems.py) come from this seed.
+PROBLEMS_SEED = 7
 # Held-out prompts per domain whose regenerated responses measure the drafter (block tau).
 EVAL_PROMPTS = 48
 
@@ -132,6 +137,12 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
             seqs += dfo.generate_greedy(target, dfo.continuation_contexts(tokenizer, train_recs, pass_=k),
                                         work / name, cfg.continuation_new_tokens, stop_ids,
                                         cfg.gen_batch_size, progress)
+    if cfg.code_problems > 0 and "code" in cfg.domains:
+        from .data.code_problems import build_problems
+
+        problems = build_problems(cfg.code_problems, seed=PROBLEMS_SEED)
+        seqs += cfg.problems_repeat * dfo.regenerate(target, tokenizer, problems, work / "regen.problems.jsonl",
+                                                     cfg.max_new_tokens, cfg.gen_batch_size, progress)
     eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
     eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
                                cfg.max_new_tokens, cfg.gen_batch_size, progress)
@@ -207,6 +218,11 @@ def build(out: Path, toy: bool = False, stages=DEFAULT_STAGES, target_cfg: Targe
                 else DrafterTrainConfig().refined(out / "drafter"))
         paths["drafter_refined"] = stage_drafter(out, paths["data"], out / "target", rcfg, progress,
                                                  name="drafter_refined")
+    if "problems" in stages:
+        pcfg = (DrafterTrainConfig.toy().with_problems(out / "drafter_refined", n=6, max_steps=4, head_steps=2)
+                if toy else DrafterTrainConfig().with_problems(out / "drafter_refined"))
+        paths["drafter_problems"] = stage_drafter(out, paths["data"], out / "target", pcfg, progress,
+                                                  name="drafter_problems")
     print(f"built {', '.join(paths)} in {time.time() - t0:.1f}s under {out}")
     return paths
 
@@ -236,7 +252,7 @@ def ship(build_dir: Path, assets_dir: Path | None = None) -> None:
     for d in DOMAINS:
         shutil.copyfile(build_dir / "data" / f"{d}.heldout.jsonl", wl / f"{d}.heldout.jsonl")
     shutil.copyfile(build_dir / "data" / "manifest.json", wl / "manifest.json")
-    for name in ("drafter_refined", "drafter"):  # the second stage's drafter when there is one
+    for name in ("drafter_problems", "drafter_refined", "drafter"):  # the last stage's that exists
         if (build_dir / name / "manifest.json").exists():
             _copy_tree(build_dir / name, assets_dir / "models" / "drafter")
             break

@@ -1,5 +1,5 @@
 """The whole embedded-pair pipeline at toy scale: data -> tokenizer -> target -> loop fine-tune
--> drafter -> its second stage, then a second build that retrains nothing."""
+-> drafter -> its second and third stages, then a second build that retrains nothing."""
 
 from __future__ import annotations
 
@@ -66,9 +66,18 @@ def test_toy_pipeline_end_to_end_and_resume(tmp_path, kjv_text):
     cont1 = [json.loads(x) for x in (tmp_path / "drafter_work" / "regen.cont1.jsonl").open()]
     assert cont1 and all(r["id"].endswith("#cont1") for r in cont1)
     assert rman["training"]["records"] > manifest["training"]["records"]
+
+    # The third stage starts from the second and adds the target's answers to typed problems
+    # (twice each); `ship` copies the last stage's drafter.
+    third = paths["drafter_problems"]
+    pman = json.loads((third / "manifest.json").read_text())
+    assert pman["training"]["init_from"]["model_sha256"] == sha256_file(refined / "model.safetensors")
+    problems = [json.loads(x) for x in (tmp_path / "drafter_work" / "regen.problems.jsonl").open()]
+    assert len(problems) == 6 and all(r["id"].startswith("code/problems/") for r in problems)
+    assert pman["training"]["records"] == rman["training"]["records"] + 2 * len(problems)
     models.ship(tmp_path, assets_dir=tmp_path / "assets")
     assert sha256_file(tmp_path / "assets" / "models" / "drafter" / "model.safetensors") == \
-        sha256_file(refined / "model.safetensors")
+        sha256_file(third / "model.safetensors")
 
     # A second build finds every stage's output and retrains nothing.
     models.build(tmp_path, toy=True, progress=False, kjv_text=kjv_text)

@@ -1,8 +1,8 @@
 """Build the embedded model pair from scratch: data -> tokenizer -> target -> unlikelihood ->
-drafter -> refine (the drafter's second stage, the shipped drafter) [-> problems, a third].
+drafter -> refine -> problems (the drafter's second and third stages; the third is shipped).
 
     python -m training_job.models build --out DIR [--toy]
-        [--stages data,tokenizer,target,unlikelihood,drafter,refine]      # the default
+        [--stages data,tokenizer,target,unlikelihood,drafter,refine,problems]      # the default
     python -m training_job.models ship --from DIR       # copy into sglang_adaflash/assets/
 
 Each stage writes its output atomically and is skipped when that output already exists, so an
@@ -23,9 +23,9 @@ Layout of DIR::
                      manifest.json) with the AdaFlash length head
     drafter_refined_work/, drafter_refined/   the second stage: drafter/ trained further on more
                      continuations at a lower learning rate
-    drafter_problems_work/, drafter_problems/  the third stage (not in the default build):
-                     drafter_refined/ trained further with the target's answers to typed
-                     problems in HumanEval's layout added (`ship` copies the last stage present)
+    drafter_problems_work/, drafter_problems/  the third stage: drafter_refined/ trained further
+                     with the target's answers to typed problems in HumanEval's layout added
+                     (the shipped drafter; `ship` copies the last stage present)
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from .target_lm import TargetConfig
 from .target_unlikelihood import UnlikelihoodConfig
 
 STAGES: tuple[str, ...] = ("data", "tokenizer", "target", "unlikelihood", "drafter", "refine", "problems")
-# What `build` runs unless told: up to the stage of the shipped drafter, the second
-# (refine; docs/models.md, Drafter). `ship` copies the last stage's drafter that exists.
-DEFAULT_STAGES: tuple[str, ...] = STAGES[:-1]
+# What `build` runs unless told: every stage, since the shipped drafter is the third stage's
+# (problems; docs/models.md, Drafter). `ship` copies the last stage's drafter that exists.
+DEFAULT_STAGES: tuple[str, ...] = STAGES
 # The typed problems of the third stage (training_job/data/code_problems.py) come from this seed.
 PROBLEMS_SEED = 7
 # Held-out prompts per domain whose regenerated responses measure the drafter (block tau).

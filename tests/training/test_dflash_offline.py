@@ -269,3 +269,16 @@ def test_the_refined_recipe_starts_from_its_base_and_cuts_its_continuations_else
     assert [c[0] for c in second] == [f"r{i}#cont1" for i in range(20)]
     assert [len(c[2]) for c in first] == [len(c[2]) for c in again]  # seeded: a rebuild cuts alike
     assert sum(len(a[2]) != len(b[2]) for a, b in zip(first, second)) >= 15  # elsewhere
+
+
+def test_the_problems_recipe_starts_from_the_second_stage_with_the_problems_added(tmp_path):
+    base = DrafterTrainConfig()
+    refined = base.refined(tmp_path / "drafter")
+    p = base.with_problems(tmp_path / "drafter_refined")
+    assert p.init_from == str(tmp_path / "drafter_refined")
+    assert (p.code_problems, p.problems_repeat) == (6000, 2) and base.code_problems == 0
+    assert p.continuation_passes == refined.continuation_passes  # the second stage's data, plus
+    assert p.lr == refined.lr / 2 and p.min_lr == refined.min_lr / 2
+    assert p.seed not in (base.seed, refined.seed)  # a new data order
+    assert (p.block_size, p.target_layer_ids, p.num_layers, p.intermediate_size) == \
+        (base.block_size, base.target_layer_ids, base.num_layers, base.intermediate_size)

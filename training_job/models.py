@@ -155,7 +155,8 @@ def stage_drafter(out: Path, data_dir: Path, target_dir: Path, cfg: DrafterTrain
 
     ``name`` "drafter_refined" is the second stage: ``cfg.init_from`` is the first stage's
     drafter, the regenerated data is shared with it (drafter_work/), its checkpoints go to
-    drafter_refined_work/."""
+    drafter_refined_work/; "drafter_problems" is the third, from the second's drafter, with the
+    typed problems' answers added (drafter_work/regen.problems.jsonl)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

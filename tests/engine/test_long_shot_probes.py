@@ -159,24 +159,16 @@ def test_the_drafting_fit_does_not_see_a_rows_backlog_catch_up(target, drafter, 
     Control: the engine's drafting time includes the catch-ups."""
     slow = 0.05
     catching_up = [False]
-    catch_up = SpecEngine._catch_up
-
-    def marked_catch_up(self, seqs, rows, uncommitted=0):
-        catching_up[0] = True
-        try:
-            return catch_up(self, seqs, rows, uncommitted)
-        finally:
-            catching_up[0] = False
-
     drafting = [False]  # inside a drafted step's drafting (the catch-ups a step's drafting time holds)
-    catch_up_drafted = SpecEngine._catch_up_drafted
 
-    def marked_catch_up_drafted(self, seqs, drafted, probes):
-        drafting[0] = True
-        try:
-            return catch_up_drafted(self, seqs, drafted, probes)
-        finally:
-            drafting[0] = False
+    def flagged(flag, method):
+        def wrapped(*args, **kwargs):
+            flag[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                flag[0] = False
+        return wrapped
 
     fitted: list[float] = []
     observe = OnlineCostModel.observe
@@ -186,8 +178,8 @@ def test_the_drafting_fit_does_not_see_a_rows_backlog_catch_up(target, drafter, 
             fitted.append(draft_seconds)
         return observe(self, batch_size, tokens, seconds, drafted, draft_seconds, proposals)
 
-    monkeypatch.setattr(SpecEngine, "_catch_up", marked_catch_up)
-    monkeypatch.setattr(SpecEngine, "_catch_up_drafted", marked_catch_up_drafted)
+    monkeypatch.setattr(SpecEngine, "_catch_up", flagged(catching_up, SpecEngine._catch_up))
+    monkeypatch.setattr(SpecEngine, "_catch_up_drafted", flagged(drafting, SpecEngine._catch_up_drafted))
     monkeypatch.setattr(OnlineCostModel, "observe", spy)
     monkeypatch.setattr(draft_choice, "LONG_SHOT_SHARE", 1.0)  # probes as often as the credit allows
     monkeypatch.setattr("sglang_adaflash.engine.engine.profile_step_cost", lambda eng: FIXED_BOUND)

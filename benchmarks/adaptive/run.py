@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sglang_adaflash.assets import MODELS_DIR, WORKLOADS_DIR  # noqa: E402
+from sglang_adaflash.bench.machine import cpu_description
 from sglang_adaflash.bench.metrics import step_mae_floor
 from sglang_adaflash.bench.runner import recorded_path
 from sglang_adaflash.core.sampling import SamplingParams
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
         "command": "benchmarks/adaptive/run.py " + " ".join(given),
         "config": {**vars(args), "out": recorded_path(args.out)},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "threads": args.threads, "machine": platform.machine(),
+                        "threads": args.threads, "machine": platform.machine(), "cpu": cpu_description(),
                         "cuda": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
         "equality_ok": equality_ok,
         "results": rows,

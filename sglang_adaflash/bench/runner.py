@@ -42,6 +42,7 @@ from ..launch.engine_factory import check_seed, make_engine, quiet_transformers
 from ..launch.loading import LoadedPair, load_pair
 from ..launch.prompts import CLIError, PromptSpec, read_prompts, resolve_prompt_ids
 from .hf_baseline import run_hf
+from .machine import cpu_description
 from .metrics import aggregate, first_difference
 from .plot import plot_results
 
@@ -140,6 +141,7 @@ def _environment(device: str) -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
         "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None,

@@ -29,6 +29,8 @@ def test_bench_writes_results_and_plot(tiny_pair, workload, tmp_path, capsys):
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temp files
+    # ratios move with the CPU, so a result names the CPU it came from
+    assert set(doc["environment"]["cpu"]) == {"model", "torch_capability"}
     rows = {(r["mode"], r["concurrency"]): r for r in doc["results"]}
     assert set(rows) == {(m, c) for m in MODES for c in (1, 3)}
     for r in rows.values():

@@ -88,6 +88,35 @@ def test_online_cost_model_separates_batch_and_token_costs():
     assert abs(fit.fixed + 32 * fit.per_draft + fit.draft_fixed - (0.002 + 0.0005 * 32)) < 1e-3
 
 
+def test_the_fits_small_solver_matches_numpy_on_ridge_systems():
+    """The online fit solves its 3 x 3 and 5 x 5 ridge systems in plain Python (_solve_small):
+    the same solution as numpy's, on well- and badly-conditioned systems (features on scales
+    from 1 to 1024, as the fit's are before scaling, and nearly collinear columns: a batch size
+    that never changes), pivoting included."""
+    import numpy as np
+
+    from sglang_adaflash.planner.cost import _solve_small
+
+    rng = np.random.default_rng(0)
+    for k in (3, 5):
+        for trial in range(100):
+            x = rng.normal(size=(40, k)) * rng.choice([1.0, 64.0, 1024.0], size=k)
+            if trial % 2:
+                x[:, -1] = x[:, 0] * 3.0 + 1e-6 * rng.normal(size=40)  # nearly collinear
+            a = x.T @ x + 1e-3 * np.eye(k)
+            b = rng.normal(size=k)
+            want = np.linalg.solve(a, b)
+            got = np.asarray(_solve_small(a.tolist(), b.tolist()))
+            # backward stable, as numpy's LU is: the residual is rounding-sized for the system
+            scale = np.abs(a).max() * np.abs(got).max()
+            assert np.abs(a @ got - b).max() <= 1e-12 * scale, (k, trial)
+            assert np.abs(a @ want - b).max() <= 1e-12 * np.abs(a).max() * np.abs(want).max()
+            if trial % 2 == 0:  # well-conditioned: the same solution
+                assert np.allclose(got, want, rtol=1e-8, atol=1e-12 * np.abs(want).max()), (k, trial)
+    # a zero in the leading pivot needs a row swap
+    assert np.allclose(_solve_small([[0.0, 1.0], [1.0, 0.0]], [2.0, 3.0]), [3.0, 2.0])
+
+
 def test_online_cost_model_prices_drafting_from_its_own_timings():
     """Verify phases timed as 2 ms + 0.5 ms per request + 0.1 ms per token, drafting as 1.5 ms +
     0.4 ms per drafted request, under a shared machine's jitter in the verify phase: the fit

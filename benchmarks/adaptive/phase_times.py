@@ -1,6 +1,8 @@
 """Where adaflash's time goes beside ar's in one cell of the adaptive benchmark: the engine's
-phases (prefill, choice, drafting, verify, context, commit) timed around their methods, for
-`ar` and `adaflash` alternately, each run with a cold calibration state as run.py's.
+phases (prefill, choice, drafting, verify, context, commit) timed around their methods, and
+inside the choice its parts (the choice itself, its plans, the long-shot bound) and the online
+cost fits', for `ar` and `adaflash` alternately, each run with a cold calibration state as
+run.py's.
 
     python benchmarks/adaptive/phase_times.py --concurrency 64 --workload mixed --out benchmarks/adaptive/phase_times_mixed_c64.json
 """
@@ -20,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
 from run import cell_engine, cell_requests, one_cell  # noqa: E402
 
+CHOICE_PARTS = ("choose", "_plan_on_host", "could_pay")  # DraftChoice's, timed on the engine's instance
 PHASES = ("_prefill", "_decode_step", "_choose_drafted", "_draft", "_catch_up", "_verify_step",
           "_update_context", "_commit", "_retire")
 
@@ -54,6 +57,15 @@ def main(argv=None) -> int:
         for name in PHASES:
             if hasattr(eng, name):
                 setattr(eng, name, _timed(getattr(eng, name), name, seconds, calls))
+        # inside _choose_drafted and the step's accounting: the draft-or-not choice and the cost fits
+        parts = [(eng.choice, "choice", CHOICE_PARTS)] if mode == "adaflash" else []
+        if getattr(eng, "_online_cost", None) is not None:  # made by the warm-up's first decode step
+            fits = eng._online_cost
+            parts += [(fits, "cost", ("observe", "model")), (fits._verify, "cost.verify_fit", ("solve",)),
+                      (fits._draft, "cost.draft_fit", ("solve",))]
+        for owner, prefix, names in parts:
+            for name in names:
+                setattr(owner, name, _timed(getattr(owner, name), f"{prefix}.{name}", seconds, calls))
         t0 = time.perf_counter()
         outs = eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids)))
         total = time.perf_counter() - t0

@@ -1,8 +1,8 @@
 """Which CPU a benchmark ran on, recorded beside its figures.
 
 Ratios to plain decoding move with the machine, not only with the code: the same engine and pair
-read adaflash at 1.10-1.16x `ar` in the in-domain c=1 cell of benchmarks/adaptive/ on one machine
-of this project's kind and at 0.98-1.08x on another, whose plain decoding ran about twice as fast
+read adaflash at 1.16x `ar` in the in-domain c=1 cell of benchmarks/adaptive/ on one machine of
+this project's kind and at 0.98-1.08x on another, whose plain decoding ran about twice as fast
 (an AMD EPYC on which torch dispatches AVX-512 kernels; benchmarks/adaptive/README.md). A result
 that does not say which CPU it came from cannot be compared with another.
 """

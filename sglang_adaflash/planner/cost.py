@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .lengths import PlanCost, plan_lengths, survival_rate
@@ -132,13 +131,12 @@ class _Ridge:
     def __init__(self, centre, scale, prior_weight, decay, warmup):
         self.scale = [float(v) for v in scale]
         self.decay, self.warmup = decay, warmup
-        self.centre = np.asarray(centre, dtype=np.float64) * np.asarray(self.scale)
-        self.centre_list = self.centre.tolist()
+        self.centre = [float(c) * sc for c, sc in zip(centre, self.scale)]  # in scaled features
         k = len(centre)
         self.ridge_weight = float(prior_weight)  # the ridge: prior_weight times the identity
         self.xtx = [0.0] * (k * k)  # row-major k x k
         self.xty = [0.0] * k
-        self.theta = list(self.centre_list)
+        self.theta = list(self.centre)
         self.seen, self.stale, self._solved_at = 0, False, -self.refit_every
         self.solves = 0  # how many times the fit was re-solved (what a cached model is keyed by)
         self._out = [t / sc for t, sc in zip(self.theta, self.scale)]
@@ -156,7 +154,7 @@ class _Ridge:
             k = len(self.xty)
             lam = self.ridge_weight
             a = [[self.xtx[i * k + j] + (lam if i == j else 0.0) for j in range(k)] for i in range(k)]
-            b = [self.xty[i] + lam * self.centre_list[i] for i in range(k)]
+            b = [self.xty[i] + lam * self.centre[i] for i in range(k)]
             self.theta = _solve_small(a, b)
             self.stale, self._solved_at = False, self.seen
             self.solves += 1

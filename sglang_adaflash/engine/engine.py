@@ -207,8 +207,10 @@ class SpecEngine:
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
         self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
-        self._pending: torch.Tensor | None = None  # [slots, choice.max_pending, K*H] (see _catch_up)
-        self._arange: torch.Tensor | None = None  # arange(max_batch_size) on the device (_all_rows)
+        # [choice.max_pending, slots, K*H]: a ring of the undrafted rows' target features, one
+        # position per step that queued any (see _catch_up and _queue_idle); _ring: the newest
+        self._pending: torch.Tensor | None = None
+        self._ring = -1
         self._backlog_seconds = 0.0  # time _catch_up spent on queued backlogs, in all (see there)
         self.cost_model = cost_model  # fixed when given; else profiled, then refitted online
         self._online_cost: OnlineCostModel | None = None
@@ -620,7 +622,8 @@ class SpecEngine:
         # the backlog ends at the newest queued token: cache_len, or beyond it by `uncommitted`
         # tokens queued in a step whose commit has not moved cache_len yet
         starts = torch.tensor([seqs[i].cache_len + uncommitted - seqs[i].pending for i in late], device=self.device)
-        self.proposer.extend_context(self._pending[index, :width], starts, late)
+        self.proposer.extend_context(self._pending[self._backlog_positions(seqs, late, width), index[:, None]],
+                                     starts, late)
         for i in late:
             seqs[i].pending = 0
         self._backlog_seconds += synced_time(self.device) - t0
@@ -645,29 +648,41 @@ class SpecEngine:
             rows = torch.tensor(idle, dtype=torch.long, device=self.device)
         else:  # a plain step (most steps of a batch that does not pay for drafting): every row,
             # whose one committed token's features are feats[:, 0] as they stand (no gather)
-            self._queue_idle(seqs, range(len(seqs)), self._all_rows(len(seqs)), feats[:, 0])
+            self._queue_idle(seqs, range(len(seqs)), None, feats[:, 0])
             return
         self._queue_idle(seqs, idle, rows, feats[rows, 0])
 
-    def _all_rows(self, bs: int) -> torch.Tensor:
-        """torch.arange(bs) on the device, built once per engine (asked on every plain step)."""
-        if self._arange is None or self._arange.shape[0] < bs:
-            self._arange = torch.arange(max(bs, self.max_batch_size), device=self.device)
-        return self._arange[:bs]
-
-    def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor, feats: torch.Tensor) -> None:
+    def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor | None, feats: torch.Tensor) -> None:
         """Queue the undrafted rows' committed features [len(idle), K*H] (an undrafted row
-        commits exactly one token) for their next catch-up; rows is idle as a device tensor."""
+        commits exactly one token) for their next catch-up; rows is idle as a device tensor, or
+        None when idle is every row (a plain step).
+
+        The queue is a ring with one position per step that queues anyone, holding every slot:
+        a row queues on every step it is not drafted and is caught up when it is, so its backlog
+        is always the newest `pending` positions (_backlog_positions). A plain step's queueing
+        is then one slice copy, where a per-row column took an index tensor and a scatter (about
+        a third of adaflash's extra host time on a plain step at math c=8)."""
         if self._pending is None:
-            self._pending = feats.new_zeros(self.max_batch_size, self.choice.max_pending, feats.shape[-1])
-        pending = [seqs[i].pending for i in idle]
-        cols = torch.tensor(pending, dtype=torch.long, device=self.device)
-        self._pending[rows, cols] = feats
+            self._pending = feats.new_zeros(self.choice.max_pending, self.max_batch_size, feats.shape[-1])
+        self._ring = (self._ring + 1) % self._pending.shape[0]
+        if rows is None:
+            self._pending[self._ring, : feats.shape[0]] = feats
+        else:
+            self._pending[self._ring].index_copy_(0, rows, feats)
+        most = 0
         for i in idle:
-            seqs[i].pending += 1
-        if max(pending) + 1 >= self._pending.shape[1]:
+            seq = seqs[i]
+            seq.pending += 1
+            most = max(most, seq.pending)
+        if most >= self._pending.shape[0]:
             # this runs before the step commits, so each row's newest queued token is one past cache_len
-            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[1]], uncommitted=1)
+            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[0]], uncommitted=1)
+
+    def _backlog_positions(self, seqs: list[_Seq], rows: list[int], width: int) -> torch.Tensor:
+        """[len(rows), width] ring positions of the rows' backlogs, oldest first (columns past a
+        row's own backlog hold other steps' features, which its context never reads)."""
+        first = torch.tensor([self._ring + 1 - seqs[i].pending for i in rows], dtype=torch.long)
+        return ((first[:, None] + torch.arange(width)[None]) % self._pending.shape[0]).to(self.device)
 
     def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor) -> None:
         """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.
@@ -771,7 +786,8 @@ class SpecEngine:
             if self.posterior is not None:
                 self.posterior.move(last, i)
             if self._pending is not None and last != i and mover.pending:
-                self._pending[i, : mover.pending] = self._pending[last, : mover.pending]
+                where = self._backlog_positions(self.running, [last], mover.pending)[0]
+                self._pending[where, i] = self._pending[where, last]
             self.running[i] = self.running[last]
             self.running.pop()
             outs.append(self._output(seq, seq.finish))

@@ -121,14 +121,14 @@ def _written_context_matches(eng, target, drafter) -> bool:
 
 
 @pytest.mark.parametrize("source", ["recovery", "joint"])
-@pytest.mark.parametrize("broken", [None, "forget", "not_queued", "wrong_column"])
+@pytest.mark.parametrize("broken", [None, "forget", "not_queued", "wrong_position"])
 def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, source, monkeypatch):
     """Good and bad requests in one batch (freed slots refilled): the bad ones sit out most
     steps, some of them tree steps of the good ones, and are probed now and then. After every
     step both drafters' context K/V equal a plain forward of the committed tokens at every
     position written, with the recovery drafter's kept lazily or (joint) written with the first
     drafter's by one stacked projection. Controls, each detected: a catch-up that drops the backlog, idle rows of a
-    tree step not queued, and an idle queue that writes over the previous step's column."""
+    tree step not queued, and an idle queue that writes over the previous step's position."""
     if broken == "forget":
         def forget(self, seqs, rows, uncommitted=0):  # drops the prompt and the backlog unwritten
             for i in rows:
@@ -146,16 +146,13 @@ def test_drafter_contexts_catch_up_after_sitting_out(target, drafter, broken, so
                 self._queue_idle = queue
 
         monkeypatch.setattr(D2SDEngine, "_extend_contexts", drop_idle)
-    if broken == "wrong_column":
+    if broken == "wrong_position":
         queue = SpecEngine._queue_idle
 
         def shifted(self, seqs, idle, rows, feats):
-            back = [i for i in idle if seqs[i].pending > 0]
-            for i in back:
-                seqs[i].pending -= 1
+            self._ring -= 1  # the queue's ring then writes this step's features where the last step's are
             queue(self, seqs, idle, rows, feats)
-            for i in back:
-                seqs[i].pending += 1
+            self._ring += 1
 
         monkeypatch.setattr(SpecEngine, "_queue_idle", shifted)
     prompts = _prompts(5, seed=11)

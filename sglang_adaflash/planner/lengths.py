@@ -192,6 +192,17 @@ def plan_on_host(survival: np.ndarray, block_size: int, cost: PlanCost, min_len:
         spent = cost.fixed + cost.draft_fixed * (lens > 1) + row_cost.astype(np.float64)
         return np.array([int(np.where(allowed[0], gains[0] / spent, -np.inf).argmax()) + 1])
     base = cost.fixed + cost.draft_fixed
+    if cost.draft_fixed > 0 and off.all():
+        # Drafting nobody, checked first: at the plain step's own value lam_p = bs / plain cost,
+        # if every row's best length is 1 then any plan that drafts has
+        # sum(gain - lam_p * cost_i) <= lam_p * fixed < lam_p * (fixed + draft_fixed), so its
+        # value is below lam_p and the rounds below would end in "nobody" too. That is most
+        # plans of a batch drafting does not pay for, and this costs one round, not several.
+        lam_p = bs / (cost.fixed + float(row_cost[0]) * bs)
+        net = gains - np.float32(lam_p) * row_cost[None]
+        net[~allowed] = -np.inf
+        if not net.argmax(1).any():
+            return np.ones(bs, dtype=np.int64)
     rows = np.arange(bs)
     lam = 0.0
     choice = np.zeros(bs, dtype=np.int64)

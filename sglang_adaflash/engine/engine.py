@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..core import flashinfer_sampling
@@ -23,6 +24,7 @@ from ..core.sampling import RequestError, filtered_probs
 from ..core.spec_metadata import RowSampling, SpecMetadata
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
+from ..planner.confidence import ConfidenceCalibration, trim_lengths
 from ..planner.cost import OnlineCostModel, StepCostModel
 from ..planner.lengths import (
     PlanCost,
@@ -57,6 +59,7 @@ class EngineStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    trimmed_slots: int = 0  # planned verify slots the confidence trim left out (see _trim)
 
 
 @dataclass
@@ -76,6 +79,8 @@ class SpecBatch(SpecMetadata):
     draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
     forced_catch_up_seconds: float = 0.0  # the catch-up of forced rows riding along (timed apart)
     catch_up_seconds: float = 0.0  # the drafted rows' backlog catch-up (part of draft_seconds; see _catch_up)
+    confidence: np.ndarray | None = None  # [bs, K] drafter probability of each proposal read (see _trim)
+    read_proposals: int | None = None  # proposals the drafter's LM head computed, when not those verified (_trim)
 
     def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
         """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
@@ -144,6 +149,7 @@ class SpecEngine:
         probe_share: float = 0.02,
         explore: bool = False,
         lengths_from: str = "history",
+        confidence_trim: bool = False,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
@@ -164,7 +170,10 @@ class SpecEngine:
         history; "history" plans them from the history alone, before drafting, and the drafter
         then computes only the slots that will be verified (its proposals are the whole block's
         at those slots: every slot still gives keys and values). docs/engine.md says which pays
-        where."""
+        where. With "history", `confidence_trim` then ends each planned row's verify where the
+        drafter's own probabilities say its proposals will mostly be rejected
+        (planner.confidence; off by default: on the embedded pair it has not yet been measured
+        to pay, docs/engine.md)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -204,6 +213,7 @@ class SpecEngine:
         self._draft_off = adaptive and draft_off and posterior is not None
         # plan from history before drafting (needs the draft-off choice, which makes that plan)
         self._plan_first = self._draft_off and lengths_from == "history"
+        self.confidence = ConfidenceCalibration() if self._plan_first and confidence_trim else None
         self._min_len = drafter.config.length_head_min_len if drafter is not None else 1
         self.choice = DraftChoice(posterior, self.block_size, self._min_len, self.device,
                                   probe_every=probe_every, probe_share=probe_share, explore=explore, seed=seed)
@@ -320,6 +330,8 @@ class SpecEngine:
         if self.posterior is not None:
             self.posterior.forget()
         self.choice.replan()
+        if self.confidence is not None:
+            self.confidence.reset()
         for seq in self.running:
             seq.probe_gap = 0
             # Its prompt is in the drafter's cache as the old version projected it: the new
@@ -456,9 +468,13 @@ class SpecEngine:
         if self._online_cost is not None and self._cost_warm:
             # the drafting fit prices a drafted step as steady drafting: without its backlog
             # catch-up (see _catch_up)
+            # the drafting fit's per-proposal term is the drafter's LM head: priced by the proposals it
+            # computed, which a trim verifies only some of (charged to those, it inflated the price
+            # of every verified token the plan buys)
+            read = spec.read_proposals if spec.read_proposals is not None else verified - len(seqs)
             self._online_cost.observe(len(seqs), verified, t2 - t0 - spec.draft_seconds, drafted=len(spec.drafted),
-                                      draft_seconds=spec.draft_seconds - spec.catch_up_seconds,
-                                      proposals=verified - len(seqs))
+                                      draft_seconds=spec.draft_seconds - spec.catch_up_seconds, proposals=read,
+                                      multi=sum(1 for n in lens if n > 1))
         # An engine's first decode step pays one-time costs (its buffers, the first kernels at
         # its shapes): on the embedded pair 156 ms against 12, which, fitted, priced a verified
         # token at nothing for the next hundred steps. It is no step's price.
@@ -500,7 +516,7 @@ class SpecEngine:
             read_states = self.proposer.propose(last, ctx, histories, slots=drafted, read=read)  # [n, K, H]
             hidden = read_states.new_zeros(len(drafted), k + 1, read_states.shape[-1])  # indexed by block slot
             hidden[:, 1:] = read_states
-            self._proposals(seqs, spec, hidden)
+            self._proposals(seqs, spec, hidden, trim=self.confidence is not None)
         else:
             hidden = self.proposer.propose(last, ctx, histories, slots=drafted)  # [n, B, H]
             self._verify_lengths(spec, hidden, cap)
@@ -684,12 +700,14 @@ class SpecEngine:
         first = torch.tensor([self._ring + 1 - seqs[i].pending for i in rows], dtype=torch.long)
         return ((first[:, None] + torch.arange(width)[None]) % self._pending.shape[0]).to(self.device)
 
-    def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor) -> None:
+    def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor, trim: bool = False) -> None:
         """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.
 
         The LM head runs only on the slots each request will verify: the verify lengths are
         chosen from the block states alone, so proposals nobody checks are never computed.
-        hidden [n, >= K+1, H] is indexed by block slot.
+        With `trim`, the planned lengths are then cut where the proposals' own probabilities
+        say they will mostly be rejected (_trim): the LM head ran on the slots cut, since their
+        probabilities are what decides the cut. hidden [n, >= K+1, H] is indexed by block slot.
         """
         bs, k = len(seqs), int(spec.lengths.max()) - 1
         spec.draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
@@ -703,17 +721,52 @@ class SpecEngine:
         rows_d, slots_d = rows.to(self.device), slots.to(self.device)
         logits = self.proposer.proposal_logits(hidden, in_hidden[rows].to(self.device), slots_d + 1)  # [n, V]
         spec.draft_ids[rows_d, slots_d] = logits.argmax(-1)
+        if trim:
+            self._trim(spec, rows, slots, logits, k)
+            k = int(spec.lengths.max()) - 1
+            spec.draft_ids = spec.draft_ids[:, : max(k, 0)]
+            if k <= 0:
+                return
         if not sampled:
             return
         hot_index = torch.full((bs,), -1, dtype=torch.long)
         hot_index[sampled] = torch.arange(len(sampled))
-        sel = (hot_index[rows] >= 0).to(self.device)
+        sel = (hot_index[rows] >= 0) & (slots < k)  # slots the trim left to verify
+        sel_d = sel.to(self.device)
         temp, top_k, top_p = self._sampling_tensors(seqs)
-        rs = rows_d[sel]
-        q = filtered_probs(logits[sel], temp[rs], top_k[rs], top_p[rs])
-        spec.draft_ids[rs, slots_d[sel]] = self._sample(q, [seqs[i] for i in rows[sel.cpu()].tolist()])
+        rs = rows_d[sel_d]
+        q = filtered_probs(logits[sel_d], temp[rs], top_k[rs], top_p[rs])
+        spec.draft_ids[rs, slots_d[sel_d]] = self._sample(q, [seqs[i] for i in rows[sel].tolist()])
         spec.draft_probs = q.new_zeros(len(sampled), k, q.shape[-1])
-        spec.draft_probs[hot_index[rows].to(self.device)[sel], slots_d[sel]] = q
+        spec.draft_probs[hot_index[rows].to(self.device)[sel_d], slots_d[sel_d]] = q
+
+    def _trim(self, spec: SpecBatch, rows: torch.Tensor, slots: torch.Tensor, logits: torch.Tensor, k: int) -> None:
+        """Cut the planned rows' verify lengths by their proposals' drafter probabilities
+        (planner.confidence): logits [n, V] of proposal slots (rows, slots). Forced rows (first
+        reads, probes) keep theirs: their verify is the posterior's evidence. The drafting is
+        paid by now, so the step is priced with it sunk, as the head's plan is (_verify_lengths),
+        except what the verify pays for leaving its single-token path (OnlineCostModel.trim_cost).
+        The probabilities are of the drafter's distributions, never of a draw from them, so the
+        cut is lossless at any temperature (planner.confidence)."""
+        bs, n = len(spec.lengths), len(spec.drafted)
+        top = torch.softmax(logits.float(), dim=-1).amax(-1).cpu().numpy()
+        conf = np.zeros((bs, k), dtype=np.float32)
+        conf[rows.numpy(), slots.numpy()] = top
+        keep = np.ones(bs, dtype=bool)
+        keep[spec.drafted] = False
+        keep[spec.probes] = True
+        if self._online_cost is not None and self.cost_model is None:
+            sunk = self._online_cost.trim_cost(bs, n)  # what leaving the single-token verify costs is not sunk
+        else:  # a given cost model has no such part: everything drafting costs is paid
+            cost = self._cost(bs)
+            sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token,
+                            per_proposal=cost.per_proposal)
+        planned = spec.lengths.numpy()
+        lens = trim_lengths(self.confidence.rate(conf), planned, keep, sunk, self.block_size, self._min_len)
+        self.stats.trimmed_slots += int(planned.sum() - lens.sum())
+        spec.read_proposals = int(rows.numel())
+        spec.lengths = torch.from_numpy(lens)
+        spec.confidence = conf
 
     def _generator_of(self, seq: _Seq | None) -> torch.Generator:
         return seq.generator if seq is not None and seq.generator is not None else self.generator
@@ -727,6 +780,10 @@ class SpecEngine:
             rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
             lens = spec.lengths[spec.drafted].to(self.device)
             self.posterior.observe(rows, spec.head_survival, result.num_accepted[rows], lens)
+        if spec.confidence is not None and self.confidence is not None:
+            d = spec.drafted
+            self.confidence.observe(spec.confidence[d], spec.lengths[d].numpy() - 1,
+                                    result.num_accepted[d].cpu().numpy())
         predicted = spec.predicted_ratios(self.block_size, self.mode == "adaflash")
         drafted, probes = set(spec.drafted), set(spec.probes)
         if spec.head_ratio is not None:

@@ -76,23 +76,33 @@ class OnlineCostModel:
         drafted: int | None = None,
         draft_seconds: float | None = None,
         proposals: int | None = None,
+        multi: int | None = None,
     ) -> None:
         """One step: its verify phase took `seconds`; `draft_seconds` its drafting, when it
         drafted `drafted` requests for `proposals` proposals (default: every request, the rest
-        of the verified tokens)."""
+        of the verified tokens). `multi`: the rows that verified more than their bonus token
+        (default: the drafted ones), which is what the verify's w and v terms price; a drafted
+        row that a trim left with its bonus token alone (planner.confidence) verifies as a
+        plain row does."""
         drafted = batch_size if drafted is None else drafted
-        self._verify.observe([1.0, batch_size, tokens, float(drafted > 0), drafted], seconds)
+        multi = drafted if multi is None else multi
+        self._verify.observe([1.0, batch_size, tokens, float(multi > 0), multi], seconds)
         if drafted > 0 and draft_seconds is not None:
             proposals = tokens - batch_size if proposals is None else proposals
             self._draft.observe([1.0, drafted, proposals], draft_seconds)
 
+    def _parts(self) -> tuple[float, ...]:
+        """(a, b, c, w, v, e, d, g) as the fits stand, each collinear pair's negative part handed
+        back to its partner (model() says why)."""
+        a, b, c, w, v = self._verify.solve()
+        e, d, g = self._draft.solve()
+        return a, b, c, w, v, e, d, g
+
     def model(self, batch_size: int) -> StepCostModel:
-        verify, draft = self._verify.solve(), self._draft.solve()
+        a, b, c, w, v, e, d, g = self._parts()
         key = (batch_size, self._verify.solves, self._draft.solves)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        a, b, c, w, v = verify
-        e, d, g = draft
         # A negative part is its collinear partner's share (b while the batch size never changes,
         # w while every step drafts): hand it back so the observed steps keep their fitted time.
         # A negative v (drafted rows making the verify cheaper) is the fit's noise and is dropped.
@@ -114,6 +124,22 @@ class OnlineCostModel:
         )
         self._memo = (key, out)  # asked every step, it changes only when a fit is re-solved
         return out
+
+    def trim_cost(self, batch_size: int, drafted: int) -> PlanCost:
+        """The price of a step's verify once its `drafted` rows are drafted and their proposals
+        read (planner.confidence.trim_lengths): the drafter forward, its LM head and the plain
+        step are paid; a verified token costs the target's c; what the verify pays for leaving
+        the single-token path is not paid yet. It is paid only if some row verifies more than its
+        bonus token (w: PlanCost.draft_fixed) and per such row (v: PlanCost.per_draft): on a CPU
+        at c=1, one row verifying two tokens took 10.5 ms against a plain step's 7.6
+        (benchmarks/adaptive/avx2/foresight_in_domain_c1.json), which a trim that takes it as
+        sunk never saves."""
+        a, b, c, w, v, e, d, _ = self._parts()
+        a, w = a + min(w, 0.0), max(w, 0.0)
+        a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
+        e, d = e + min(d, 0.0), max(d, 0.0)
+        sunk = max(a + b * batch_size, 0.0) + max(e, 0.0) + d * drafted
+        return PlanCost(fixed=sunk, per_token=max(c, 1e-9), per_draft=max(v, 0.0), draft_fixed=w)
 
 
 class _Ridge:

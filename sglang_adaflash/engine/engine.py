@@ -676,8 +676,9 @@ class SpecEngine:
         The queue is a ring with one position per step that queues anyone, holding every slot:
         a row queues on every step it is not drafted and is caught up when it is, so its backlog
         is always the newest `pending` positions (_backlog_positions). A plain step's queueing
-        is then one slice copy, where a per-row column took an index tensor and a scatter (about
-        a third of adaflash's extra host time on a plain step at math c=8)."""
+        is then one slice copy, where a per-row column took an index tensor and a scatter (the
+        queueing took 34-38 us of adaflash's 170 us of extra host work a plain step at math c=8
+        on the second machine, benchmarks/adaptive/README.md)."""
         if self._pending is None:
             self._pending = feats.new_zeros(self.choice.max_pending, self.max_batch_size, feats.shape[-1])
         self._ring = (self._ring + 1) % self._pending.shape[0]

@@ -173,10 +173,10 @@ def test_the_drafting_fit_does_not_see_a_rows_backlog_catch_up(target, drafter, 
     fitted: list[float] = []
     observe = OnlineCostModel.observe
 
-    def spy(self, batch_size, tokens, seconds, drafted=None, draft_seconds=None, proposals=None):
+    def spy(self, batch_size, tokens, seconds, drafted=None, draft_seconds=None, proposals=None, **rest):
         if drafted and draft_seconds is not None:
             fitted.append(draft_seconds)
-        return observe(self, batch_size, tokens, seconds, drafted, draft_seconds, proposals)
+        return observe(self, batch_size, tokens, seconds, drafted, draft_seconds, proposals, **rest)
 
     monkeypatch.setattr(SpecEngine, "_catch_up", flagged(catching_up, SpecEngine._catch_up))
     monkeypatch.setattr(SpecEngine, "_catch_up_drafted", flagged(drafting, SpecEngine._catch_up_drafted))

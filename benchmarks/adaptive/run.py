@@ -44,7 +44,6 @@ from sglang_adaflash.fsio import write_text_atomic
 from sglang_adaflash.launch.engine_factory import make_engine
 from sglang_adaflash.launch.loading import load_pair
 from sglang_adaflash.launch.prompts import read_prompts, resolve_prompt_ids
-from sglang_adaflash.planner.calibration import SurvivalPosterior
 
 MODES = ("ar", "dflash", "adaflash", "oracle")
 WARM_STEPS = 32  # calibration is judged after a request's first 32 steps
@@ -76,7 +75,7 @@ def cell_engine(pair, mode: str, concurrency: int, prompts, n: int, max_seq: int
     eng = make_engine(pair, mode, concurrency, max_seq, 0, num_requests=n)
     eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])
     if eng.posterior is not None:
-        eng.posterior = SurvivalPosterior(eng.max_batch_size, device=eng.device)
+        eng.posterior = eng.posterior.fresh()
     return eng
 
 
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
                 """One run: (wall tok/s, CPU tok/s, output ids, outputs)."""
                 e.stats = EngineStats()
                 if e.posterior is not None:  # cold calibration: no history carried over
-                    e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
+                    e.posterior = e.posterior.fresh()
                 t0, c0 = time.perf_counter(), time.process_time()
                 outs = e.run(requests())
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             totals.clear()
             e.stats = EngineStats()
             if e.posterior is not None:
-                e.posterior = SurvivalPosterior(e.max_batch_size, device=e.device)
+                e.posterior = e.posterior.fresh()
             t0 = time.process_time()
             outs = e.run(requests())
             cpu = time.process_time() - t0

@@ -36,6 +36,7 @@ class DraftedStep(Protocol):
 MAX_PROBE_GAP = 4  # an undrafted request is probed at least every 4 * probe_every steps
 FIRST_READS = 4  # cold requests of one domain that read the drafter in one step (see first_reads)
 QUIET_REPLAN = 32  # steps a "draft nobody" plan stands while nobody drafts or joins
+QUIET_FADING = 8  # ... while undrafted requests' evidence fades towards their domain's (SurvivalPosterior.idle)
 PLAIN_EVERY = 64  # steps in a row that drafted anyone, after which one step runs plain (a plain probe)
 PLAIN_FIRST = 8  # ... at a batch size with no plain step seen yet; the wait doubles with each seen
 LONG_SHOT_SHARE = 0.25  # of the probe credit, where not even rows as good as the best evidence pay (could_pay)
@@ -96,9 +97,11 @@ class DraftChoice:
 
         due = due_rows() if self.credit >= cost.draft_fixed + row else None
         # Nothing a plan reads changes over a step where nobody drafted and nobody joined, except
-        # the cost model's slow drift: the plan "draft nobody" stands, rechecked every few steps.
+        # the cost model's slow drift and the fading of undrafted requests' own evidence: the
+        # plan "draft nobody" stands, rechecked every few steps.
         quiet = self._quiet_plan == bs and not due
-        if quiet and self._quiet_steps < QUIET_REPLAN and all(s.since_draft > 0 for s in seqs):
+        stands = QUIET_REPLAN if self.posterior.idle_decay == 1.0 else QUIET_FADING
+        if quiet and self._quiet_steps < stands and all(s.since_draft > 0 for s in seqs):
             self._quiet_steps += 1
             self._ran_plain(bs)
             return [], []

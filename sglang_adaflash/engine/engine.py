@@ -47,6 +47,9 @@ LENGTH_RULES = ("load_aware", "paper")
 # alone, planned before drafting so the drafter computes only the slots verified ("history"), or
 # the history plus the length head's reading of the whole drafted block ("head").
 LENGTH_SOURCES = ("history", "head")
+# A request's own evidence kept per step it is not drafted: about half after eight tokens, where a
+# position's accepted count correlates 0.13 with the first's (SurvivalPosterior.idle)
+IDLE_DECAY = 0.92
 
 
 @dataclass
@@ -150,6 +153,7 @@ class SpecEngine:
         explore: bool = False,
         lengths_from: str = "history",
         confidence_trim: bool = False,
+        idle_decay: float = IDLE_DECAY,
     ):
         """`proposer` replaces the DFlash proposer (tests, other drafting methods); it must offer
         propose(last, ctx_lens, histories, slots) -> block states [n, B, H],
@@ -173,7 +177,8 @@ class SpecEngine:
         where. With "history", `confidence_trim` then ends each planned row's verify where the
         drafter's own probabilities say its proposals will mostly be rejected
         (planner.confidence; off by default: on the embedded pair it has not yet been measured
-        to pay, docs/engine.md)."""
+        to pay, docs/engine.md). `idle_decay`: how much of a request's own acceptance evidence
+        survives each step it is not drafted (SurvivalPosterior.idle; 1 keeps it all)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None and proposer is None:
@@ -208,8 +213,8 @@ class SpecEngine:
         # engines may share one target (a benchmark's modes side by side): each sets what it needs
         self._capture = list(target.capture_layer_ids)
         adaptive = mode == "adaflash" and length_rule == "load_aware"
-        posterior = (SurvivalPosterior(max_batch_size, device=self.device, max_block=self.block_size)
-                     if adaptive and calibrate else None)
+        posterior = (SurvivalPosterior(max_batch_size, device=self.device, max_block=self.block_size,
+                                       idle_decay=idle_decay) if adaptive and calibrate else None)
         self._draft_off = adaptive and draft_off and posterior is not None
         # plan from history before drafting (needs the draft-off choice, which makes that plan)
         self._plan_first = self._draft_off and lengths_from == "history"
@@ -781,6 +786,8 @@ class SpecEngine:
             rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
             lens = spec.lengths[spec.drafted].to(self.device)
             self.posterior.observe(rows, spec.head_survival, result.num_accepted[rows], lens)
+        if self.posterior is not None:
+            self.posterior.idle(len(seqs), spec.drafted)
         if spec.confidence is not None and self.confidence is not None:
             d = spec.drafted
             self.confidence.observe(spec.confidence[d], spec.lengths[d].numpy() - 1,

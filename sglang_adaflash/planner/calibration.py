@@ -276,11 +276,16 @@ class SurvivalPosterior:
         3-44% of request-steps from run to run at in-domain c=8. idle_decay = 1 keeps the counts."""
         if self.idle_decay == 1.0 or n == 0:
             return
+        if not drafted:  # most steps of a batch that drafts nobody: one multiply, no mask
+            if self.host:
+                self.counts.numpy()[:n] *= np.float32(self.idle_decay)
+            else:
+                self.counts[:n] *= self.idle_decay
+            return
         keep = np.full(n, self.idle_decay, dtype=np.float32)
         keep[drafted] = 1.0
         if self.host:
-            counts = self.counts.numpy()
-            counts[:n] *= keep[:, None]
+            self.counts.numpy()[:n] *= keep[:, None]
         else:
             self.counts[:n] *= torch.from_numpy(keep).to(self.counts.device)[:, None]
 

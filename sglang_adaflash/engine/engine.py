@@ -48,7 +48,7 @@ LENGTH_RULES = ("load_aware", "paper")
 # the history plus the length head's reading of the whole drafted block ("head").
 LENGTH_SOURCES = ("history", "head")
 # A request's own evidence kept per step it is not drafted: about half after eight tokens, where a
-# position's accepted count correlates 0.13 with the first's (SurvivalPosterior.idle)
+# position's accepted count correlates 0.13 with the count eight tokens before (SurvivalPosterior.idle)
 IDLE_DECAY = 0.92
 
 
@@ -314,6 +314,7 @@ class SpecEngine:
         second reference on the engine went stale when a caller swapped in a fresh posterior
         (benchmarks/adaptive/run.py resets it before every timed run), and the choice then drafted
         from evidence frozen at the swap while the verifier's evidence went elsewhere.
+        `engine.posterior = engine.posterior.fresh()` resets it with the engine's settings.
         """
         return self.choice.posterior
 

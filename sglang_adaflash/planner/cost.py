@@ -99,10 +99,11 @@ class OnlineCostModel:
         return a, b, c, w, v, e, d, g
 
     def model(self, batch_size: int) -> StepCostModel:
+        parts = self._parts()  # solves a fit that is due: the memo's key reads the solve counts
         key = (batch_size, self._verify.solves, self._draft.solves)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        a, b, c, w, v, e, d, g = self._clamped_parts(batch_size)
+        a, b, c, w, v, e, d, g = self._clamped(parts, batch_size)
         # g: the drafter's LM head per proposal, which a row's bonus token does not pay. Charged
         # on every row, it once priced a plain step at in-domain c=32 at about twice its measured
         # time, in a run that drafted nearly every row (docs/engine.md).
@@ -127,18 +128,19 @@ class OnlineCostModel:
         at c=1, one row verifying two tokens took 10.5 ms against a plain step's 7.6
         (benchmarks/adaptive/avx2/foresight_in_domain_c1.json), which a trim that takes it as
         sunk never saves."""
-        a, b, c, w, v, e, d, _ = self._clamped_parts(batch_size)
+        a, b, c, w, v, e, d, _ = self._clamped(self._parts(), batch_size)
         sunk = max(a + b * batch_size, 0.0) + max(e, 0.0) + d * drafted
         return PlanCost(fixed=sunk, per_token=max(c, 1e-9), per_draft=v, draft_fixed=w)
 
-    def _clamped_parts(self, batch_size: int) -> tuple[float, ...]:
+    @staticmethod
+    def _clamped(parts: tuple[float, ...], batch_size: int) -> tuple[float, ...]:
         """The fits' parts (a, b, c, w, v, e, d, g) with the negative ones handed back.
 
         A negative part is its collinear partner's share (b while the batch size never changes,
         w while every step drafts): it goes back to that partner, so the observed steps keep
         their fitted time. A negative v (drafted rows making the verify cheaper) is the fit's
         noise and is dropped; g is left as fitted (model() decides what it charges)."""
-        a, b, c, w, v, e, d, g = self._parts()
+        a, b, c, w, v, e, d, g = parts
         a, w = a + min(w, 0.0), max(w, 0.0)
         a, b = a + min(b, 0.0) * batch_size, max(b, 0.0)
         e, d = e + min(d, 0.0), max(d, 0.0)

@@ -140,8 +140,7 @@ def main(argv=None) -> int:
         tables.append(foresee(pair, o.prompt_ids, o.output_ids, block_size=block))
         confidence.append(target_confidence(pair, o.prompt_ids, o.output_ids))
     doc = {
-        "command": " ".join(["benchmarks/adaptive/signals.py", *sys.argv[1:]] if argv is None else
-                            ["benchmarks/adaptive/signals.py", *argv]),
+        "command": " ".join(["benchmarks/adaptive/signals.py", *(sys.argv[1:] if argv is None else argv)]),
         "environment": {"cpu": cpu_description()},
         "workload": args.workload, "requests": len(tables), "positions": sum(len(t) - 1 for t in tables),
         "accepted_mean": float(np.mean([v for t in tables for v in t[1:]])),

@@ -276,18 +276,14 @@ class SurvivalPosterior:
         3-44% of request-steps from run to run at in-domain c=8. idle_decay = 1 keeps the counts."""
         if self.idle_decay == 1.0 or n == 0:
             return
-        if not drafted:  # most steps of a batch that drafts nobody: one multiply, no mask
-            if self.host:
-                self.counts.numpy()[:n] *= np.float32(self.idle_decay)
-            else:
-                self.counts[:n] *= self.idle_decay
-            return
-        keep = np.full(n, self.idle_decay, dtype=np.float32)
-        keep[drafted] = 1.0
+        keep = np.float32(self.idle_decay)  # most steps of a batch that drafts nobody: no mask
+        if drafted:
+            keep = np.full((n, 1), self.idle_decay, dtype=np.float32)
+            keep[drafted] = 1.0
         if self.host:
-            self.counts.numpy()[:n] *= keep[:, None]
+            self.counts.numpy()[:n] *= keep
         else:
-            self.counts[:n] *= torch.from_numpy(keep).to(self.counts.device)[:, None]
+            self.counts[:n] *= torch.as_tensor(keep, device=self.counts.device)
 
     def per_slot(self, slots: torch.Tensor, rate: torch.Tensor, width: int) -> torch.Tensor:
         """[n, width]: each slot's rate for these cache slots, rate [n] scaled by the domain's

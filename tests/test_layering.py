@@ -149,3 +149,14 @@ def test_the_engines_parts_do_not_import_the_engine_back():
     assert {"sglang_adaflash.engine.draft_choice", "sglang_adaflash.engine.sizing"} <= g["sglang_adaflash.engine.engine"]
     for part in ("draft_choice", "sizing"):
         assert "sglang_adaflash.engine.engine" not in g[f"sglang_adaflash.engine.{part}"], part
+
+
+def test_the_package_modules_import_each_other_without_cycles():
+    """At module granularity too, lazy imports included: `core.rejection` <-> `core.flashinfer_sampling`
+    (VerifyResult now lives in core.verify_result) and `engine.engine` <-> `engine.admission`
+    (the running request's state now lives in engine.step_state) were cycles inside one
+    subpackage, which the subpackage graph above cannot see."""
+    g = _module_graph(ROOT, "sglang_adaflash")
+    cycle = _cycle(g)
+    assert cycle is None, " -> ".join(cycle or [])
+    assert "sglang_adaflash.engine.step_state" in g["sglang_adaflash.engine.admission"]

@@ -9,13 +9,10 @@ project's CPU machines everything runs in torch; tests marked `gpu` check that b
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .rejection import VerifyResult
-
+from .verify_result import VerifyResult
 
 
 @functools.cache
@@ -49,8 +46,6 @@ def verify_sampling_uniform(
     draft_ids [bs, K]; draft_probs [bs, K, V]; target_probs [bs, K+1, V]. Returns the same
     VerifyResult layout as the torch verifier (committed tokens padded with PLACEHOLDER = -1).
     """
-    from .rejection import VerifyResult  # it imports this module
-
     fi = _flashinfer_sampling()
     k = num_candidates
     out = fi.chain_speculative_sampling(

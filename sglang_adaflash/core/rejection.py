@@ -19,28 +19,14 @@ it sees only draft ids, draft probabilities when sampling, and the target's logi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from . import flashinfer_sampling
 from .sampling import filtered_probs, sample_from
 from .spec_metadata import SpecMetadata
+from .verify_result import PLACEHOLDER, VerifyResult
 
-PLACEHOLDER = -1  # pads VerifyResult.tokens past each request's committed tokens
-
-
-@dataclass
-class VerifyResult:
-    # [bs, K+1] committed tokens per request, padded with PLACEHOLDER
-    tokens: torch.Tensor
-    # [bs] accepted proposals per request (tau = num_accepted + 1)
-    num_accepted: torch.Tensor
-
-    def to_lists(self) -> list[list[int]]:
-        # one device->host read: the counts ride in a last column (row[: n + 1] never reaches it)
-        rows = torch.cat([self.tokens, self.num_accepted[:, None].to(self.tokens.dtype)], 1).tolist()
-        return [row[: row[-1] + 1] for row in rows]
+__all__ = ["PLACEHOLDER", "RejectionSampler", "VerifyResult", "verify_greedy", "verify_sampling"]
 
 
 def _first_rejection(accept: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:

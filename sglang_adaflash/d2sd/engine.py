@@ -24,7 +24,8 @@ import torch
 from ..core.clock import synced_time
 from ..core.sampling import filtered_probs
 from ..drafter.model import DFlashDrafter
-from ..engine.engine import SpecBatch, SpecEngine, _Seq
+from ..engine.engine import SpecEngine
+from ..engine.step_state import SpecBatch, _Seq
 from ..planner.calibration import SurvivalPosterior
 from ..target.hf_target import HFTarget
 from . import BRANCH_DRAFTERS, TREE_RULES, cascade, joint

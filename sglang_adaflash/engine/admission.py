@@ -24,6 +24,7 @@ import logging
 
 from ..core.sampling import SamplingParams
 from .request import Request, RequestOutput, RequestStats
+from .step_state import _Seq
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ def _prefill_or_undo(engine, joined) -> BaseException | None:
 def _probe(engine) -> tuple[BaseException | None, list[RequestOutput]]:
     """Admit and retire a tiny greedy request: (its exception or None, the other requests that
     retiring it returned: none, since finished requests are retired at the end of each step)."""
-    from .engine import _Seq
-
     probe = _Seq(req=Request([0] * PROBE_PROMPT_LEN, SamplingParams(max_new_tokens=1), PROBE_ID),
                  index=-1, stats=RequestStats(engine.block_size))
     error = _prefill_or_undo(engine, [probe])

@@ -12,31 +12,27 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..core import flashinfer_sampling
 from ..core.clock import synced_time
 from ..core.rejection import RejectionSampler, VerifyResult
 from ..core.sampling import RequestError, filtered_probs
-from ..core.spec_metadata import RowSampling, SpecMetadata
+from ..core.spec_metadata import RowSampling
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
-from ..planner.confidence import ConfidenceCalibration, trim_lengths
+from ..planner.confidence import ConfidenceCalibration
 from ..planner.cost import OnlineCostModel, StepCostModel
-from ..planner.lengths import (
-    PlanCost,
-    plan_verify_lengths,
-    survival_rate,
-)
 from ..target.hf_target import HFTarget, TargetBatch, pad_packed
 from .admission import admit_waiting
+from .context_backlog import ContextBacklog
 from .draft_choice import DraftChoice
+from .proposals import DraftedRows
 from .proposer import DFlashProposer
 from .request import Request, RequestOutput, RequestStats
 from .sizing import profile_step_cost
+from .step_state import EngineStats, SpecBatch, _Seq
 
 MODES = ("ar", "dflash", "adaflash")
 # A prompt's target features (tokens x captured width) held for a lazy drafter context; above
@@ -52,88 +48,7 @@ LENGTH_SOURCES = ("history", "head")
 IDLE_DECAY = 0.92
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    verified_tokens: int = 0
-    committed_tokens: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
-    trimmed_slots: int = 0  # planned verify slots the confidence trim left out (see _trim)
-
-
-@dataclass
-class SpecBatch(SpecMetadata):
-    """The step's contract (core.spec_metadata: lengths, proposals, q, which rows sample) and
-    what the engine's own bookkeeping needs besides: whom it drafted, and what it predicted.
-
-    Rows are the running requests (row i sits in cache slot i). A row that was not drafted
-    verifies only its bonus token (length 1) and has no proposals.
-    """
-
-    drafted: list[int] = field(default_factory=list)  # rows the drafter ran for
-    probes: list[int] = field(default_factory=list)  # drafted rows that were forced to
-    head_ratio: torch.Tensor | None = None  # [len(drafted)] the length head's E[tau]/B
-    head_survival: torch.Tensor | None = None  # [len(drafted)] survival read from it
-    survival: torch.Tensor | None = None  # [len(drafted)] calibrated survival
-    draft_seconds: float = 0.0  # what the drafter forward, the head and the proposals took
-    forced_catch_up_seconds: float = 0.0  # the catch-up of forced rows riding along (timed apart)
-    catch_up_seconds: float = 0.0  # the drafted rows' backlog catch-up (part of draft_seconds; see _catch_up)
-    confidence: np.ndarray | None = None  # [bs, K] drafter probability of each proposal read (see _trim)
-    read_proposals: int | None = None  # proposals the drafter's LM head computed, when not those verified (_trim)
-
-    def predicted_ratios(self, block_size: int, adaptive: bool) -> list[float] | None:
-        """E[tau | L] / B per row as planned (1/B for a row not drafted: its tau is 1)."""
-        if not adaptive:
-            return None
-        out = [1.0 / block_size] * len(self.lengths)
-        if not self.drafted:
-            return out
-        # plain Python on a few floats per row: this runs every step, for the stats alone
-        if self.survival is not None:
-            lengths = self.lengths.tolist()
-            for i, a in zip(self.drafted, self.survival.float().tolist()):
-                out[i] = _expected_tau(a, lengths[i]) / block_size
-        elif self.head_ratio is not None:
-            for i, r in zip(self.drafted, self.head_ratio.float().tolist()):
-                out[i] = r
-        return out
-
-
-def _expected_tau(a: float, n: int) -> float:
-    """planner.lengths.expected_tau of one row, in Python floats."""
-    a = min(max(a, 0.0), 1.0)
-    return float(n) if a >= 1 - 1e-6 else (1 - a**n) / max(1 - a, 1e-12)
-
-
-@dataclass
-class _Seq:
-    req: Request
-    index: int
-    stats: RequestStats
-    output: list[int] = field(default_factory=list)
-    cache_len: int = 0  # tokens whose K/V (and drafter context, less `pending`) are committed
-    finish: str | None = None
-    pending: int = 0  # committed tokens not yet in the drafter's context (see _catch_up)
-    since_draft: int = 0  # decode steps since this request was last drafted
-    probe_gap: int = 0  # steps between probes while not drafted (backs off while probes fail)
-    generator: torch.Generator | None = None  # a seeded sampled request's own random stream
-    prompt_feats: torch.Tensor | None = None  # [P, K*H] prompt features not yet in the drafter's context
-    stale_context: bool = False  # its drafter context was computed by a version no longer serving
-
-    @property
-    def last_token(self) -> int:
-        return self.output[-1]
-
-    @property
-    def remaining(self) -> int:
-        return self.req.sampling.max_new_tokens - len(self.output)
-
-
-class SpecEngine:
+class SpecEngine(ContextBacklog, DraftedRows):
     def __init__(
         self,
         target: HFTarget,
@@ -530,21 +445,6 @@ class SpecEngine:
         spec.draft_seconds = synced_time(self.device) - t0
         return spec
 
-    def _catch_up_drafted(self, seqs: list[_Seq], drafted: list[int], probes: list[int]) -> float:
-        """Bring the drafted rows' drafter context up to date (_catch_up); returns the seconds
-        the forced rows' own catch-up took when it is timed apart (else 0)."""
-        if probes and self.choice.forced_charge is None and self.cost_model is None:
-            # forced rows riding along on planned drafting: their catch-up (up to the whole
-            # probe gap of context) is theirs alone, so it is timed apart and charged to probes
-            t0 = time.perf_counter()
-            self._catch_up(seqs, probes)
-            forced_catch_up = time.perf_counter() - t0
-            forced = set(probes)
-            self._catch_up(seqs, [i for i in drafted if i not in forced])
-            return forced_catch_up
-        self._catch_up(seqs, drafted)
-        return 0.0
-
     def _draft_caps(self, seqs: list[_Seq]) -> list[int]:
         """Tokens each row may verify this step: its block or what it has left, 1 (plain) for a
         row whose drafter context is stale (drafter_swapped)."""
@@ -556,224 +456,12 @@ class SpecEngine:
             return [i for i, c in enumerate(caps) if c > 1], []
         return self.choice.choose(seqs, caps, self._cost(len(seqs)), measured=self.cost_model is None)
 
-    def _verify_lengths(self, spec: SpecBatch, hidden: torch.Tensor, cap: torch.Tensor) -> None:
-        """Verify lengths for the drafted rows (the others keep 1), from the head when adaptive."""
-        rows = torch.tensor(spec.drafted, dtype=torch.long)
-        if self.mode == "dflash":
-            spec.lengths[rows] = cap[rows]
-            return
-        ratio = self.drafter.length_head(hidden)  # [n]
-        spec.head_ratio = ratio
-        if self.length_rule == "paper":
-            cfg = self.drafter.config
-            lens = plan_verify_lengths(ratio, self.block_size, rule="paper", rate=cfg.length_head_rate,
-                                       min_len=cfg.length_head_min_len, cap=cap[rows].to(ratio.device))
-            spec.lengths[rows] = lens.cpu()
-            return
-        head = survival_rate(ratio, self.block_size)
-        slots = rows.to(self.device)
-        spec.head_survival = head
-        spec.survival = self.posterior.calibrate(slots, head) if self.posterior is not None else head
-        # the drafts are paid for now: price the step with them, every row in it
-        bs, n = len(spec.lengths), len(spec.drafted)
-        cost = self._cost(bs)
-        sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token,
-                        per_proposal=cost.per_proposal)
-        survival = torch.zeros(bs, device=self.device)
-        survival[slots] = spec.survival.float()
-        row_cap = torch.ones(bs, dtype=torch.long)
-        row_cap[rows] = cap[rows]
-        allow_off = torch.zeros(bs, dtype=torch.bool)
-        if self._draft_off:
-            allow_off[rows] = True
-            # a probe (or a first read) verifies one proposal, or min_len - 1: evidence, cheaply.
-            # Verified whole, a wave of new requests read at once costs ten plain steps at c=64
-            allow_off[spec.probes] = False
-            row_cap[spec.probes] = cap[spec.probes].clamp(max=max(self._min_len, 2))
-        full_ratio = torch.zeros(bs, device=self.device)
-        full_ratio[slots] = ratio.float()
-        lens = plan_verify_lengths(full_ratio, self.block_size, rule="load_aware", cost=sunk, min_len=self._min_len,
-                                   cap=row_cap.to(self.device), survival=survival, allow_off=allow_off.to(self.device))
-        spec.lengths = lens.cpu()
-
-    def _planned_lengths(self, spec: SpecBatch, cap: torch.Tensor) -> None:
-        """Verify lengths from the draft-or-not plan the choice just made from each request's
-        history (lengths_from="history"): a planned row verifies its planned length, a forced
-        one (first read, probe) max(min_len, 2) slots, as in _verify_lengths."""
-        rows = torch.tensor(spec.drafted, dtype=torch.long)
-        planned = self.choice.lengths[rows]
-        forced = cap[rows].clamp(max=max(self._min_len, 2))
-        spec.lengths[rows] = torch.where(planned > 1, planned, forced).clamp(max=cap[rows])
-        # the plan's survival stands where the head's would: the posterior learns from history alone
-        spec.survival = spec.head_survival = self.choice.rate[rows.to(self.device)].float()
-
     def _cost(self, batch_size: int) -> StepCostModel:
         if self.cost_model is not None:
             return self.cost_model
         if self._online_cost is None:
             self._online_cost = OnlineCostModel(profile_step_cost(self))
         return self._online_cost.model(batch_size)
-
-    def _catch_up(self, seqs: list[_Seq], rows: list[int], uncommitted: int = 0) -> None:
-        """Feed the drafter the context a row collected while it was not drafted.
-
-        A row that is not drafted keeps its committed tokens' target features in a small
-        per-slot buffer instead of projecting them into the drafter's context every step; the
-        backlog is projected in one go when the row is drafted again (or the buffer is full).
-        """
-        cold = [i for i in rows if seqs[i].prompt_feats is not None]
-        if cold:  # the prompt's context first (positions 0..P-1); pending tokens follow it
-            width = max(seqs[i].prompt_feats.shape[0] for i in cold)
-            feats = seqs[cold[0]].prompt_feats.new_zeros(len(cold), width, seqs[cold[0]].prompt_feats.shape[-1])
-            for j, i in enumerate(cold):
-                feats[j, : seqs[i].prompt_feats.shape[0]] = seqs[i].prompt_feats
-                seqs[i].prompt_feats = None
-            self.proposer.extend_context(feats, torch.zeros(len(cold), dtype=torch.long, device=self.device), cold)
-        late = [i for i in rows if seqs[i].pending]
-        if not late or self._pending is None:
-            return
-        # A row drafted again after steps off projects its backlog here: drafting's deferred
-        # per-step work, which steady drafting pays a step at a time. Fitted as a drafted step's
-        # price (the drafting fit), it priced on-and-off drafting above steady drafting, and at
-        # in-domain c=4 the rule, once off, stayed mostly off: 1.04x `ar` against 1.10x. So its
-        # time is counted apart. A prompt's context (above) stays in the fit: a request's first
-        # draft pays it whether it then drafts steadily or not.
-        t0 = synced_time(self.device)
-        width = max(seqs[i].pending for i in late)
-        index = torch.tensor(late, dtype=torch.long, device=self.device)
-        # the backlog ends at the newest queued token: cache_len, or beyond it by `uncommitted`
-        # tokens queued in a step whose commit has not moved cache_len yet
-        starts = torch.tensor([seqs[i].cache_len + uncommitted - seqs[i].pending for i in late], device=self.device)
-        self.proposer.extend_context(self._pending[self._backlog_positions(seqs, late, width), index[:, None]],
-                                     starts, late)
-        for i in late:
-            seqs[i].pending = 0
-        self._backlog_seconds += synced_time(self.device) - t0
-
-    def _update_context(self, seqs, spec: SpecBatch, aux, batch: TargetBatch, committed: list[list[int]]) -> None:
-        """Drafted rows extend the drafter's context now; the others queue it (see _catch_up).
-        committed: the verify's tokens per row, already on the host."""
-        if self.proposer is None or aux is None:
-            return
-        feats = pad_packed(aux, batch)  # [bs, max L, K*H]
-        if spec.drafted:  # a drafting cost: timed with the drafter's
-            t0 = time.perf_counter()
-            rows = torch.tensor(spec.drafted, dtype=torch.long, device=self.device)
-            width = max(len(committed[i]) for i in spec.drafted)
-            starts = torch.tensor([seqs[i].cache_len for i in spec.drafted], device=self.device)
-            self.proposer.extend_context(feats[rows, :width], starts, spec.drafted)
-            spec.draft_seconds += synced_time(self.device) - t0
-            drafted = set(spec.drafted)
-            idle = [i for i in range(len(seqs)) if i not in drafted]
-            if not idle:
-                return
-            rows = torch.tensor(idle, dtype=torch.long, device=self.device)
-        else:  # a plain step (most steps of a batch that does not pay for drafting): every row,
-            # whose one committed token's features are feats[:, 0] as they stand (no gather)
-            self._queue_idle(seqs, range(len(seqs)), None, feats[:, 0])
-            return
-        self._queue_idle(seqs, idle, rows, feats[rows, 0])
-
-    def _queue_idle(self, seqs: list[_Seq], idle, rows: torch.Tensor | None, feats: torch.Tensor) -> None:
-        """Queue the undrafted rows' committed features [len(idle), K*H] (an undrafted row
-        commits exactly one token) for their next catch-up; rows is idle as a device tensor, or
-        None when idle is every row (a plain step).
-
-        The queue is a ring with one position per step that queues anyone, holding every slot:
-        a row queues on every step it is not drafted and is caught up when it is, so its backlog
-        is always the newest `pending` positions (_backlog_positions). A plain step's queueing
-        is then one slice copy, where a per-row column took an index tensor and a scatter (the
-        queueing took 34-38 us of adaflash's 170 us of extra host work a plain step at math c=8
-        on the second machine, benchmarks/adaptive/README.md)."""
-        if self._pending is None:
-            self._pending = feats.new_zeros(self.choice.max_pending, self.max_batch_size, feats.shape[-1])
-        self._ring = (self._ring + 1) % self._pending.shape[0]
-        if rows is None:
-            self._pending[self._ring, : feats.shape[0]] = feats
-        else:
-            self._pending[self._ring].index_copy_(0, rows, feats)
-        most = 0
-        for i in idle:
-            seq = seqs[i]
-            seq.pending += 1
-            most = max(most, seq.pending)
-        if most >= self._pending.shape[0]:
-            # this runs before the step commits, so each row's newest queued token is one past cache_len
-            self._catch_up(seqs, [i for i in idle if seqs[i].pending >= self._pending.shape[0]], uncommitted=1)
-
-    def _backlog_positions(self, seqs: list[_Seq], rows: list[int], width: int) -> torch.Tensor:
-        """[len(rows), width] ring positions of the rows' backlogs, oldest first (columns past a
-        row's own backlog hold other steps' features, which its context never reads)."""
-        first = torch.tensor([self._ring + 1 - seqs[i].pending for i in rows], dtype=torch.long)
-        return ((first[:, None] + torch.arange(width)[None]) % self._pending.shape[0]).to(self.device)
-
-    def _proposals(self, seqs: list[_Seq], spec: SpecBatch, hidden: torch.Tensor, trim: bool = False) -> None:
-        """Proposal ids [bs, K] and, for sampled requests, their q [n_hot, K, V], K = max(L) - 1.
-
-        The LM head runs only on the slots each request will verify: the verify lengths are
-        chosen from the block states alone, so proposals nobody checks are never computed.
-        With `trim`, the planned lengths are then cut where the proposals' own probabilities
-        say they will mostly be rejected (_trim): the LM head ran on the slots cut, since their
-        probabilities are what decides the cut. hidden [n, >= K+1, H] is indexed by block slot.
-        """
-        bs, k = len(seqs), int(spec.lengths.max()) - 1
-        spec.draft_ids = torch.zeros(bs, max(k, 0), dtype=torch.long, device=self.device)
-        sampled = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
-        if k <= 0:
-            return
-        in_hidden = torch.full((bs,), -1, dtype=torch.long)
-        in_hidden[spec.drafted] = torch.arange(len(spec.drafted))
-        needed = torch.arange(k)[None] < (spec.lengths - 1)[:, None]  # [bs, K] on the host
-        rows, slots = needed.nonzero(as_tuple=True)
-        rows_d, slots_d = rows.to(self.device), slots.to(self.device)
-        logits = self.proposer.proposal_logits(hidden, in_hidden[rows].to(self.device), slots_d + 1)  # [n, V]
-        spec.draft_ids[rows_d, slots_d] = logits.argmax(-1)
-        if trim:
-            self._trim(spec, rows, slots, logits, k)
-            k = int(spec.lengths.max()) - 1
-            spec.draft_ids = spec.draft_ids[:, : max(k, 0)]
-            if k <= 0:
-                return
-        if not sampled:
-            return
-        hot_index = torch.full((bs,), -1, dtype=torch.long)
-        hot_index[sampled] = torch.arange(len(sampled))
-        sel = (hot_index[rows] >= 0) & (slots < k)  # slots the trim left to verify
-        sel_d = sel.to(self.device)
-        temp, top_k, top_p = self._sampling_tensors(seqs)
-        rs = rows_d[sel_d]
-        q = filtered_probs(logits[sel_d], temp[rs], top_k[rs], top_p[rs])
-        spec.draft_ids[rs, slots_d[sel_d]] = self._sample(q, [seqs[i] for i in rows[sel].tolist()])
-        spec.draft_probs = q.new_zeros(len(sampled), k, q.shape[-1])
-        spec.draft_probs[hot_index[rows].to(self.device)[sel_d], slots_d[sel_d]] = q
-
-    def _trim(self, spec: SpecBatch, rows: torch.Tensor, slots: torch.Tensor, logits: torch.Tensor, k: int) -> None:
-        """Cut the planned rows' verify lengths by their proposals' drafter probabilities
-        (planner.confidence): logits [n, V] of proposal slots (rows, slots). Forced rows (first
-        reads, probes) keep theirs: their verify is the posterior's evidence. The drafting is
-        paid by now, so the step is priced with it sunk, as the head's plan is (_verify_lengths),
-        except what the verify pays for leaving its single-token path (OnlineCostModel.trim_cost).
-        The probabilities are of the drafter's distributions, never of a draw from them, so the
-        cut is lossless at any temperature (planner.confidence)."""
-        bs, n = len(spec.lengths), len(spec.drafted)
-        top = torch.softmax(logits.float(), dim=-1).amax(-1).cpu().numpy()
-        conf = np.zeros((bs, k), dtype=np.float32)
-        conf[rows.numpy(), slots.numpy()] = top
-        keep = np.ones(bs, dtype=bool)
-        keep[spec.drafted] = False
-        keep[spec.probes] = True
-        if self._online_cost is not None and self.cost_model is None:
-            sunk = self._online_cost.trim_cost(bs, n)  # what leaving the single-token verify costs is not sunk
-        else:  # a given cost model has no such part: everything drafting costs is paid
-            cost = self._cost(bs)
-            sunk = PlanCost(cost.fixed + cost.draft_fixed + cost.per_draft * n, cost.per_token,
-                            per_proposal=cost.per_proposal)
-        planned = spec.lengths.numpy()
-        lens = trim_lengths(self.confidence.rate(conf), planned, keep, sunk, self.block_size, self._min_len)
-        self.stats.trimmed_slots += int(planned.sum() - lens.sum())
-        spec.read_proposals = int(rows.numel())
-        spec.lengths = torch.from_numpy(lens)
-        spec.confidence = conf
 
     def _generator_of(self, seq: _Seq | None) -> torch.Generator:
         return seq.generator if seq is not None and seq.generator is not None else self.generator

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..core.kv_cache import SlotKVCache
 from ..core.layers import apply_rope, attention, rms_norm
+from .weight_layout import column_major_linears
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -138,6 +139,8 @@ class HFTarget:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.model = model.eval()
+        # float32 on a CPU: the same weights, column-major, for MKL's faster few-row GEMM (weight_layout)
+        self.relaid_linears = column_major_linears(model)
         self.config = cfg
         self.path = path
         self.backbone = model.model

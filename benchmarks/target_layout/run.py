@@ -1,0 +1,106 @@
+"""The target's forward with its projection weights row-major (as loaded) and column-major
+(sglang_adaflash.target.weight_layout), on the embedded pair, side by side in one run.
+
+One target, its per-layer projections relaid out back and forth between timed calls (outside
+the timing), the two layouts alternating call by call (row, column, column, row) so a noisy
+neighbour hits both alike. Shapes are a decode step's: `--batch` requests over `--context`
+cached tokens, each verifying L tokens (L = 1 is a plain step). Per shape it records the median
+seconds of each layout, their ratio, and whether the two layouts' logits were equal.
+
+    python benchmarks/target_layout/run.py --out benchmarks/target_layout/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
+
+from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
+from sglang_adaflash.launch.loading import load_pair  # noqa: E402
+from sglang_adaflash.target.hf_target import TargetBatch  # noqa: E402
+
+
+def relaid(target) -> list[torch.nn.Parameter]:
+    """The weights HFTarget relaid out column-major (row-major again by set_layout(..., False))."""
+    return [m.weight for m in target.model.modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.is_contiguous()]
+
+
+def set_layout(weights: list[torch.nn.Parameter], column_major: bool) -> None:
+    with torch.no_grad():
+        for w in weights:
+            if column_major and w.is_contiguous():
+                w.data = w.data.t().contiguous().t()
+            elif not column_major and not w.is_contiguous():
+                w.data = w.data.contiguous()
+
+
+def measure(target, weights, bs: int, lengths: list[int], context: int, repeats: int) -> list[dict]:
+    cache = target.new_cache(bs, context + max(lengths) + 1)
+    times: dict[tuple[int, bool], list[float]] = {}
+    equal: dict[int, bool] = {}
+    diff: dict[int, float] = {}
+    with torch.inference_mode():
+        target.forward(TargetBatch.from_lists([[5] * context] * bs, [0] * bs), cache,
+                       logits_rows=torch.arange(bs) * context + context - 1)
+        for rep in range(repeats + 1):  # the first round is untimed (first kernels at these shapes)
+            for n in lengths:
+                batch = TargetBatch.from_lists([[7 + j for j in range(n)] for _ in range(bs)], [context] * bs)
+                logits = {}
+                for column in (False, True, True, False):
+                    set_layout(weights, column)
+                    t0 = time.perf_counter()
+                    out, _ = target.forward(batch, cache)
+                    if rep:
+                        times.setdefault((n, column), []).append(time.perf_counter() - t0)
+                    logits[column] = out
+                same = bool(torch.equal(logits[False], logits[True]))
+                equal[n] = equal.get(n, True) and same
+                diff[n] = max(diff.get(n, 0.0), float((logits[False] - logits[True]).abs().max()))
+    set_layout(weights, True)
+    rows = []
+    for n in lengths:
+        row_major, column_major = (statistics.median(times[(n, c)]) for c in (False, True))
+        rows.append({"batch": bs, "verify_len": n, "row_major_ms": round(1e3 * row_major, 3),
+                     "column_major_ms": round(1e3 * column_major, 3),
+                     "column_over_row": round(column_major / row_major, 3),
+                     "logits_equal": equal[n], "max_abs_diff": diff[n]})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 7, 16])
+    ap.add_argument("--context", type=int, default=120)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32", need_drafter=False)
+    weights = relaid(pair.target)
+    rows = [r for bs in args.batch for r in measure(pair.target, weights, bs, args.lengths, args.context, args.repeats)]
+    for r in rows:
+        print(f"bs {r['batch']:2d} L {r['verify_len']:2d}: row-major {r['row_major_ms']:7.3f} ms, column-major "
+              f"{r['column_major_ms']:7.3f} ms, ratio {r['column_over_row']:.3f}, logits equal {r['logits_equal']}")
+    out = {"command": "benchmarks/target_layout/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": cpu_description(), "threads": args.threads, "context": args.context,
+           "repeats": args.repeats, "relaid_weights": len(weights), "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

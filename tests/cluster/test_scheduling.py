@@ -136,8 +136,15 @@ def test_a_configured_topology_spread_reaches_the_scheduler(chart, api: Api, nam
                                                 "topologySpreadConstraints": hard}))
         wait_for("3 placed, 1 pending", lambda: _nodes(serving_pods(api, ns)).count("") == 1
                  and len(serving_pods(api, ns)) == 4, timeout=60)
-        pending = next(p for p in serving_pods(api, ns) if not p["spec"].get("nodeName"))
-        cond = next(x for x in pending["status"]["conditions"] if x["type"] == "PodScheduled")
+
+        def unschedulable() -> dict | None:
+            # the scheduler writes the pending pod's condition after the pod is seen unplaced
+            pods = [p for p in serving_pods(api, ns) if not p["spec"].get("nodeName")]
+            conds = [x for p in pods for x in p.get("status", {}).get("conditions") or []
+                     if x["type"] == "PodScheduled"]
+            return conds[0] if conds else None
+
+        cond = wait_for("the pending pod's PodScheduled condition", unschedulable, timeout=60)
         assert "topology spread" in cond["message"], cond
         placed = [n for n in _nodes(serving_pods(api, ns)) if n]
         assert sorted(placed) == sorted([f"{node_prefix(ns)}-a"] * 2 + [f"{node_prefix(ns)}-b"])

@@ -28,6 +28,7 @@ from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
 from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 from sglang_adaflash.target.hf_target import TargetBatch  # noqa: E402
+from sglang_adaflash.target.weight_layout import column_major_linears  # noqa: E402
 
 
 def relaid(target) -> list[torch.nn.Parameter]:
@@ -36,13 +37,14 @@ def relaid(target) -> list[torch.nn.Parameter]:
             if isinstance(m, torch.nn.Linear) and not m.weight.is_contiguous()]
 
 
-def set_layout(weights: list[torch.nn.Parameter], column_major: bool) -> None:
+def set_layout(target, weights: list[torch.nn.Parameter], column_major: bool) -> None:
+    """Column-major as HFTarget lays them out (weight_layout), or `weights` row-major again."""
+    if column_major:
+        column_major_linears(target.model)
+        return
     with torch.no_grad():
         for w in weights:
-            if column_major and w.is_contiguous():
-                w.data = w.data.t().contiguous().t()
-            elif not column_major and not w.is_contiguous():
-                w.data = w.data.contiguous()
+            w.data = w.data.contiguous()
 
 
 def measure(target, weights, bs: int, lengths: list[int], context: int, repeats: int) -> list[dict]:
@@ -58,7 +60,7 @@ def measure(target, weights, bs: int, lengths: list[int], context: int, repeats:
                 batch = TargetBatch.from_lists([[7 + j for j in range(n)] for _ in range(bs)], [context] * bs)
                 logits = {}
                 for column in (False, True, True, False):
-                    set_layout(weights, column)
+                    set_layout(target, weights, column)
                     t0 = time.perf_counter()
                     out, _ = target.forward(batch, cache)
                     if rep:
@@ -67,7 +69,7 @@ def measure(target, weights, bs: int, lengths: list[int], context: int, repeats:
                 same = bool(torch.equal(logits[False], logits[True]))
                 equal[n] = equal.get(n, True) and same
                 diff[n] = max(diff.get(n, 0.0), float((logits[False] - logits[True]).abs().max()))
-    set_layout(weights, True)
+    set_layout(target, weights, True)
     rows = []
     for n in lengths:
         row_major, column_major = (statistics.median(times[(n, c)]) for c in (False, True))

@@ -38,6 +38,9 @@ class OnlineCostModel:
                          + w * [anyone drafted] + v * drafted                     (every step)
         draft seconds  = e + d * drafted + g * proposals                          (steps that draft)
 
+    Both fits weigh their evidence by its age in steps, the drafting fit's included while
+    nothing drafts (observe says why): evidence nothing renews fades towards the profile.
+
     Fitting the drafter's cost from its own timings, rather than out of whole-step times,
     keeps what drafting costs from being confused with what the batch costs anyway: in one
     regression over whole steps the two move together (a step drafts more requests when it
@@ -90,6 +93,17 @@ class OnlineCostModel:
         if drafted > 0 and draft_seconds is not None:
             proposals = tokens - batch_size if proposals is None else proposals
             self._draft.observe([1.0, drafted, proposals], draft_seconds)
+        else:
+            # The drafting fit's evidence ages with the engine's steps, not with its own
+            # observations: otherwise a price a burst of load inflated stood for as long as
+            # nothing drafted, and at that price nothing drafted (probes are paid at it, so they
+            # came rarely, and each weighed one observation against the burst's dozen). Measured
+            # with benchmarks/adaptive/lockout.py: at in-domain c=1 the engine drafted 11% of
+            # request-steps after twelve drafted steps at four times the fitted price, against 68%
+            # without them. Aged this way, evidence nothing renews fades towards the start-up
+            # profile (the ridge's centre) within a few hundred steps, and the first probe after a
+            # burst outweighs it.
+            self._draft.idle()
 
     def _parts(self) -> tuple[float, ...]:
         """(a, b, c, w, v, e, d, g) as the fits stand, each collinear pair's negative part handed
@@ -158,6 +172,7 @@ class _Ridge:
     """
 
     refit_every = 4
+    idle_fold = 16  # steps a fit may go unobserved before their ageing is folded in (idle)
 
     def __init__(self, centre, scale, prior_weight, decay, warmup):
         self.scale = [float(v) for v in scale]
@@ -169,25 +184,42 @@ class _Ridge:
         self.xty = [0.0] * k
         self.theta = list(self.centre)
         self.seen, self.stale, self._solved_at = 0, False, -self.refit_every
+        self.clock = 0  # steps seen: observed and idle (the refit cadence counts both)
+        self._idle = 0  # idle steps whose ageing is not folded into the statistics yet
         self.solves = 0  # how many times the fit was re-solved (what a cached model is keyed by)
         self._out = [t / sc for t, sc in zip(self.theta, self.scale)]
 
     def observe(self, features, seconds: float) -> None:
         x = [f / s for f, s in zip(features, self.scale)]
-        dec, k = self.decay, len(x)
+        dec, k = self.decay ** (1 + self._idle), len(x)
         self.xtx = [dec * v + x[i // k] * x[i % k] for i, v in enumerate(self.xtx)]
         self.xty = [dec * v + xi * seconds for v, xi in zip(self.xty, x)]
+        self._idle = 0
         self.seen += 1
+        self.clock += 1
         self.stale = self.seen >= self.warmup  # a handful of steps cannot separate the terms
 
+    def idle(self) -> None:
+        """A step this fit had nothing to observe: its evidence ages by one step's decay, so that
+        the ridge's centre regains weight while nothing renews the evidence. Folded in every
+        idle_fold such steps (and by the next observation): a plain step pays an increment."""
+        self.clock += 1
+        self._idle += 1
+        if self._idle >= self.idle_fold:
+            dec = self.decay ** self._idle
+            self.xtx = [dec * v for v in self.xtx]
+            self.xty = [dec * v for v in self.xty]
+            self._idle = 0
+            self.stale = self.seen >= self.warmup
+
     def solve(self) -> list[float]:
-        if self.stale and self.seen - self._solved_at >= self.refit_every:
+        if self.stale and self.clock - self._solved_at >= self.refit_every:
             k = len(self.xty)
             lam = self.ridge_weight
             a = [[self.xtx[i * k + j] + (lam if i == j else 0.0) for j in range(k)] for i in range(k)]
             b = [self.xty[i] + lam * self.centre[i] for i in range(k)]
             self.theta = _solve_small(a, b)
-            self.stale, self._solved_at = False, self.seen
+            self.stale, self._solved_at = False, self.clock
             self.solves += 1
             self._out = [t / sc for t, sc in zip(self.theta, self.scale)]
         return self._out

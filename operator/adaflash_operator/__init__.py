@@ -12,7 +12,10 @@ Modules:
     rollout    the drafter rollout state machine (pure)
     distill    the distillation trigger, backoff and Job report parsing (pure)
     kube       a small async Kubernetes API client on kopf's credentials
-    handlers   the kopf handlers: glue only
+    handlers   the kopf handlers: glue only (reconcile, the control loop's tick, status writes)
+    job_phases     the tick's bootstrap Job and distillation rounds
+    rollout_phase  the tick's rollout step, applied (ConfigMap, pods, DrafterVersions)
+    clock      the operator's clock and status timestamps
 """
 
 __version__ = "0.1.0"

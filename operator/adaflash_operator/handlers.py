@@ -17,28 +17,32 @@ is written with the resourceVersion it was computed from (a 409 means: read agai
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 import os
 from typing import Any
 
 import kopf
 
-from . import autoscaling, children, distill, kube, manifests, metrics, rollout
+from . import (
+    autoscaling,
+    children,
+    job_phases,
+    kube,
+    manifests,
+    metrics,
+    rollout,
+    rollout_phase,
+)
 from . import contract as c
 from . import spec as spec_mod
-from .conditions import get_condition, is_subset, replace_patch, set_condition
+from .clock import now as _now
+from .clock import ts as _ts
+from .conditions import get_condition, is_subset, set_condition
 
 TICK = float(os.environ.get("ADAFLASH_OPERATOR_TICK_SECONDS", "10"))
 SERVICE = dict(group=c.GROUP, version=c.VERSION, plural=c.SERVICE_PLURAL)
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-def _ts(t: dt.datetime) -> str:
-    return rollout._ts(t)
 
 
 @kopf.on.startup()
@@ -86,7 +90,6 @@ async def close(**_: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # Children (children.py applies them and reports what the API server refused)
 
-_controller = children.controller
 # A deleted admin Secret is noticed (and recreated) within this many seconds.
 SECRET_RECHECK_S = 3 * TICK
 
@@ -368,12 +371,12 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     owner = _owner(body)
     conds = patch.status.get("conditions") or st.get("conditions") or []
     patch.status["conditions"] = conds
-    conds = await _bootstrap(owner, body, s, st, patch, conds)
+    conds = await job_phases.bootstrap(owner, body, s, st, patch, conds)
     patch.status["conditions"] = conds
-    conds = await _distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
+    conds = await job_phases.distillation(owner, body, s, fleet, infos, st, patch, conds, logger)
     patch.status["conditions"] = conds
     if not any(p.kind == "ConfigMap" for p in patch.problems):  # the rollout writes it
-        conds = await _rollout(owner, body, s, fleet_data, infos, st, patch, conds, logger)
+        conds = await rollout_phase.rollout_step(owner, body, s, fleet_data, infos, st, patch, conds, logger)
     # A child problem outranks the rollout's verdict on Degraded (both are in the message).
     conds = _child_condition(body, conds, patch.problems, _ts(_now()),
                              body["metadata"].get("generation"), event=False)
@@ -382,390 +385,6 @@ async def _tick(body: dict, patch: Any, logger: logging.Logger) -> None:
     d = {**(st.get("distillation") or {}), **(patch.status.get("distillation") or {})}
     metrics.DISTILL_FAILURES.labels(owner["metadata"]["namespace"], owner["metadata"][
         "name"]).set(int(d.get("consecutiveFailures") or 0))
-
-
-async def _bootstrap(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, st: dict,
-                     patch: kopf.Patch, conds: list) -> list:
-    """spec.drafter.bootstrap: one Job at a time until the first drafter is on the volume (the
-    Job reports Imported, Trained, or Present when it was there already); a failed Job is
-    retried after the distillation backoff. The serving pods wait for the version meanwhile."""
-    if s.bootstrap is None:
-        return conds
-    b = dict(st.get("bootstrap") or {})
-    if b.get("phase") == "Succeeded":
-        return conds
-    ns = owner["metadata"]["namespace"]
-    gen = body["metadata"].get("generation")
-    now = _now()
-    attempts = int(b.get("attempts") or 0)
-    new: dict[str, Any] = {}
-    if b.get("phase") == "Running" and b.get("job"):
-        job = await kube.get("Job", ns, b["job"])
-        outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
-            else distill.job_outcome(job)
-        if outcome == "running":
-            return set_condition(conds, "Progressing", True, "Bootstrapping",
-                                 f"Job {b['job']} is making the first drafter "
-                                 f"{s.initial_version} ({s.bootstrap.source})", _ts(now), gen)
-        pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: b["job"]})
-        if outcome == "succeeded":
-            msgs = [m for m in (distill.termination_message(p, c.BOOTSTRAP_CONTAINER)
-                                for p in pods) if m]
-            try:
-                rep = distill.parse_bootstrap_report(msgs[-1] if msgs else None)
-            except distill.ReportError as e:
-                outcome, detail = "failed", str(e)
-            else:
-                msg = f"Job {b['job']}: {rep['outcome']} {rep['version']}"
-                kopf.event(body, type="Normal", reason="BootstrapSucceeded", message=msg)
-                new = {"phase": "Succeeded", "outcome": rep["outcome"],
-                       "version": rep["version"], "message": msg, "retryAfter": None}
-                conds = set_condition(conds, "BootstrapFailed", False, "Succeeded", msg,
-                                      _ts(now), gen)
-        if outcome == "failed":
-            pod_detail = "; ".join(x for x in (distill.failure_detail(p, c.BOOTSTRAP_CONTAINER)
-                                               for p in pods) if x)
-            delay = distill.backoff_seconds(attempts, s.distillation.backoff_seconds,
-                                            s.distillation.max_backoff_seconds)
-            retry = now + dt.timedelta(seconds=delay)
-            why = f"{detail} ({pod_detail})" if pod_detail else detail
-            msg = f"Job {b['job']} failed: {why}; retrying after {_ts(retry)}"[:1000]
-            kopf.warn(body, reason="BootstrapFailed", message=msg)
-            new = {"phase": "Failed", "message": msg, "retryAfter": _ts(retry)}
-            conds = set_condition(conds, "BootstrapFailed", True, "JobFailed", msg, _ts(now),
-                                  gen)
-    elif not (b.get("phase") == "Failed" and
-              (rollout.parse_ts(b.get("retryAfter")) or now) > now):
-        attempts += 1
-        jb = manifests.bootstrap_job(owner, s, attempts, patch.claim_modes)
-        try:
-            await kube.create(jb)
-        except kube.ApiError as e:
-            if e.status != 409:
-                raise
-        msg = (f"started Job {jb['metadata']['name']}: {s.bootstrap.source} the first drafter "
-               f"{s.initial_version}")
-        kopf.event(body, type="Normal", reason="BootstrapStarted", message=msg)
-        new = {"phase": "Running", "job": jb["metadata"]["name"], "attempts": attempts,
-               "message": msg}
-        conds = set_condition(conds, "Progressing", True, "Bootstrapping", msg, _ts(now), gen)
-    if new:
-        patch.status["bootstrap"] = {**b, **new}
-    return conds
-
-
-def _counts(infos: list[rollout.PodInfo]) -> dict[str, int]:
-    return {p.name: p.records for p in infos}
-
-
-async def _distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet: str,
-                        infos: list, st: dict, patch: kopf.Patch, conds: list,
-                        logger: logging.Logger) -> list:
-    ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
-    gen = body["metadata"].get("generation")
-    now = _now()
-    d = dict(st.get("distillation") or {})
-    new: dict[str, Any] = {}
-    active = d.get("activeJob")
-    counts = _counts(infos)
-    failures = int(d.get("consecutiveFailures") or 0)
-    if active:
-        job = await kube.get(d.get("activeJobKind") or "Job", ns, active)
-        outcome, detail = ("failed", "the Job was deleted before it finished") if job is None \
-            else distill.job_outcome(job)
-        pods = await kube.list_("Pod", ns, {c.LABEL_DISTILL_JOB: active})
-        if outcome == "running":
-            phase, why = distill.job_pod_phase(pods, c.DISTILL_CONTAINER)
-            if d.get("activeJobPhase") != phase:
-                patch.status["distillation"] = {"activeJobPhase": phase}
-            if phase == "Pending":
-                return set_condition(conds, "Progressing", True, "DistillationPending",
-                                     f"Job {active} is pending: {why}", _ts(now), gen)
-            return set_condition(conds, "Progressing", True, "Distilling",
-                                 f"Job {active} is running", _ts(now), gen)
-        report_err = ""
-        if outcome == "succeeded":
-            try:
-                report = await _job_report(ns, pods)
-            except distill.ReportError as e:
-                outcome, report_err = "failed", str(e)
-        if outcome == "succeeded" and report.get("outcome") == distill.OUTCOME_NOT_ENOUGH:
-            # Too little new traffic for a round: nothing was published or consumed. Not a
-            # failure (no backoff); the next round starts when minNewRecords more arrive.
-            recs = report["records"]
-            msg = (f"Job {active} found {recs['usable']} new usable records, fewer than the "
-                   f"{recs['required']} a round needs; nothing published, waiting for traffic")
-            kopf.event(body, type="Normal", reason="NotEnoughRecords", message=msg)
-            metrics.DISTILL_JOBS.labels("idle").inc()
-            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
-                       consecutiveFailures=0, retryAfter=None, lastError=None,
-                       lastOutcome=distill.OUTCOME_NOT_ENOUGH, lastOutcomeMessage=msg)
-            conds = set_condition(conds, "DistillationFailed", False, "NotEnoughRecords", msg,
-                                  _ts(now), gen)
-        elif outcome == "succeeded":
-            try:
-                dv = manifests.drafter_version(owner, report, active)
-                try:
-                    await kube.create(dv)
-                except kube.ApiError as e:
-                    if e.status in (400, 422):  # the schema refused what the report says
-                        raise distill.ReportError(
-                            f"the API server rejected DrafterVersion "
-                            f"{dv['metadata']['name']} built from the report: {e.message}"
-                        ) from e
-                    if e.status != 409:
-                        raise
-                await _set_drafter_phase(dv, "Candidate", "Published",
-                                         f"published by Job {active}", {}, logger,
-                                         only_if_new=True)
-                msg = f"Job {active} published {report['version']}"
-                kopf.event(body, type="Normal", reason="Published", message=msg)
-                metrics.DISTILL_JOBS.labels("succeeded").inc()
-                new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
-                           consecutiveFailures=0, lastSuccessAt=_ts(now), retryAfter=None,
-                           lastError=None, lastOutcome=distill.OUTCOME_PUBLISHED,
-                           lastOutcomeMessage=msg)
-                conds = set_condition(conds, "DistillationFailed", False, "Published", msg,
-                                      _ts(now), gen)
-            except distill.ReportError as e:
-                outcome, report_err = "failed", str(e)
-        if outcome == "failed":
-            failures += 1
-            why = report_err or detail
-            pod_detail = "; ".join(x for x in (distill.failure_detail(p, c.DISTILL_CONTAINER)
-                                               for p in pods) if x)
-            if pod_detail and not report_err:
-                why = f"{why} ({pod_detail})"
-            delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
-                                            s.distillation.max_backoff_seconds)
-            retry = now + dt.timedelta(seconds=delay)
-            msg = (f"Job {active} failed ({failures} in a row): {why}; retrying after "
-                   f"{_ts(retry)}")
-            kopf.warn(body, reason="DistillationFailed", message=msg)
-            metrics.DISTILL_JOBS.labels("failed").inc()
-            new.update(activeJob=None, activeJobPhase=None, activeJobKind=None,
-                       consecutiveFailures=failures, retryAfter=_ts(retry),
-                       lastError=why[:1000], lastOutcome="Failed",
-                       lastOutcomeMessage=msg[:1000])
-            conds = set_condition(conds, "DistillationFailed", True, "JobFailed", msg,
-                                  _ts(now), gen)
-        metrics.DISTILL_FAILURES.labels(ns, name).set(failures if outcome == "failed" else 0)
-    else:
-        baseline = {k: int(v) for k, v in (d.get("recordsAtLastRound") or {}).items()}
-        n_new = distill.new_records(counts, baseline)
-        new["newRecords"] = n_new
-        last = rollout.parse_ts(d.get("lastRoundAt")) or rollout.parse_ts(
-            body["metadata"].get("creationTimestamp"))
-        trig = distill.should_start(s.distillation, active_job=None, new=n_new,
-                                    last_round_at=last, retrying=failures > 0,
-                                    retry_after=rollout.parse_ts(d.get("retryAfter")), now=now)
-        booting = s.bootstrap is not None and \
-            ((patch.status.get("bootstrap") or st.get("bootstrap") or {}).get("phase")
-             != "Succeeded")
-        if s.distillation.enabled and booting:
-            trig = distill.Trigger(False, "Bootstrapping")
-            new.update(idleReason="Bootstrapping", message=(
-                "no round before spec.drafter.bootstrap has put the first drafter on the volume"))
-        elif s.distillation.enabled and not s.log_traffic:
-            # The pods write no traffic: a round would learn from nothing, or from what an
-            # earlier setting left on the volume, which is not what the switch says.
-            trig = distill.Trigger(False, "TrafficLoggingOff")
-            new.update(idleReason="TrafficLoggingOff", message=(
-                "spec.serving.logTraffic is false: the serving pods log no traffic, so "
-                "distillation has nothing to learn from and starts no rounds"))
-        else:
-            new.update(idleReason=None, message=None)
-        if trig.start:
-            retry = failures > 0
-            round_ = int(d.get("round") or 0) + (0 if retry else 1)
-            round_ = max(round_, 1)
-            jobset = s.distillation.nodes > 1 and await kube.has_api(manifests.JOBSET_API)
-            jb = manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes,
-                               jobset=jobset)
-            jname, kind = jb["metadata"]["name"], jb["kind"]
-            foreign = None
-            try:
-                created = await kube.create(jb)
-            except kube.ApiError as e:
-                if e.status != 409:
-                    raise
-                # Ours from a pass whose status was lost, or someone else's: look.
-                created = await kube.get(kind, ns, jname)
-                ctl = _controller(created or {})
-                if created is not None and (ctl or {}).get("uid") != owner["metadata"]["uid"]:
-                    foreign = (f"{kind} {jname} already exists and is not controlled by this "
-                               f"AdaFlashService")
-            if not foreign and kind == "Job" and s.distillation.nodes > 1 and created:
-                await _ensure_rendezvous_service(created)
-            if foreign:
-                failures += 1
-                delay = distill.backoff_seconds(failures, s.distillation.backoff_seconds,
-                                                s.distillation.max_backoff_seconds)
-                retry_at = now + dt.timedelta(seconds=delay)
-                msg = f"{foreign}; retrying as attempt {failures + 1} after {_ts(retry_at)}"
-                kopf.warn(body, reason="DistillationFailed", message=msg)
-                new.update(consecutiveFailures=failures, retryAfter=_ts(retry_at),
-                           lastError=foreign, round=round_)
-                conds = set_condition(conds, "DistillationFailed", True, "JobConflict", msg,
-                                      _ts(now), gen)
-            else:
-                msg = (f"started {kind} {jname} ({trig.reason}: {n_new} new records, parent "
-                       f"{fleet})")
-                kopf.event(body, type="Normal", reason="DistillationStarted", message=msg)
-                metrics.DISTILL_JOBS.labels("started").inc()
-                new.update(activeJob=jname, activeJobPhase="Pending", round=round_,
-                           lastRoundAt=_ts(now), activeJobKind=kind)
-                if not retry:
-                    new["recordsAtLastRound"] = replace_patch(d.get("recordsAtLastRound"),
-                                                              counts)
-                    new["newRecords"] = 0
-    if new:
-        patch.status["distillation"] = {**patch.status.get("distillation", {}), **new}
-    active_now = new.get("activeJob", active) if "activeJob" in new else active
-    if active_now:
-        conds = set_condition(conds, "Progressing", True, "DistillationPending",
-                              f"Job {active_now} is pending: just created", _ts(now), gen)
-    return conds
-
-
-async def _ensure_rendezvous_service(job: dict) -> None:
-    """The headless Service a multi-node Job's pods find each other by (owned by the Job)."""
-    try:
-        await kube.create(manifests.rendezvous_service(job))
-    except kube.ApiError as e:
-        if e.status != 409:
-            raise
-
-
-async def _job_report(ns: str, pods: list[dict]) -> dict:
-    """The report of a succeeded Job: its termination message, or, when that does not parse
-    (a report cut at 4096 bytes), the last JSON line of its log."""
-    msgs = [m for m in (distill.termination_message(p, c.DISTILL_CONTAINER) for p in pods)
-            if m]
-    try:
-        return distill.parse_report(msgs[-1] if msgs else None)
-    except distill.ReportError as first:
-        for p in reversed(pods):
-            try:
-                text = await kube.pod_log(ns, p["metadata"]["name"], c.DISTILL_CONTAINER)
-            except kube.ApiError:
-                continue
-            line = distill.report_from_log(text)
-            if line:
-                return distill.parse_report(line)
-        raise first
-
-
-async def _set_drafter_phase(dv: dict, phase: str, reason: str, message: str, fields: dict,
-                             logger: logging.Logger, only_if_new: bool = False) -> None:
-    """Record a phase transition on a DrafterVersion (idempotent), with an Event."""
-    meta = dv["metadata"]
-    live = await kube.get(c.DRAFTER_KIND, meta["namespace"], meta["name"])
-    if live is None:
-        return
-    cur = live.get("status") or {}
-    if (cur.get("phase") == phase and cur.get("reason") == reason) or \
-            (only_if_new and cur.get("phase")):
-        return
-    history = list(cur.get("history") or [])[-19:]
-    history.append({"phase": phase, "reason": reason, "time": _ts(_now())})
-    body = {"status": {"phase": phase, "reason": reason, "message": message,
-                       "history": history, **fields}}
-    await kube.patch(c.DRAFTER_KIND, meta["namespace"], meta["name"], body, sub="status")
-    metrics.ROLLOUT_TRANSITIONS.labels(phase).inc()
-    try:
-        kopf.event(live, type="Warning" if phase in ("Rejected", "RolledBack") else "Normal",
-                   reason=phase, message=message)
-    except Exception as e:  # events are best effort
-        logger.debug(f"event for {meta['name']} not posted: {e}")
-
-
-def _candidate(dv: dict) -> rollout.Candidate:
-    sp = dv.get("spec") or {}
-    ev = sp.get("eval") or {}
-    return rollout.Candidate(version=sp["version"], parent=sp.get("parent") or "",
-                             eval_tau=dict(ev.get("tau") or {}),
-                             parent_tau=dict(ev.get("parentTau") or {}),
-                             gate=dict(ev.get("gate") or {}))
-
-
-async def _rollout(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fleet_data: dict,
-                   infos: list, st: dict, patch: kopf.Patch, conds: list,
-                   logger: logging.Logger) -> list:
-    ns, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
-    fleet = fleet_data[c.FLEET_VERSION_KEY]
-    gen = body["metadata"].get("generation")
-    now = _now()
-    dvs = [x for x in await kube.list_(c.DRAFTER_KIND, ns, {c.LABEL_SERVICE: name})
-           if (x.get("spec") or {}).get("service") == name]
-    by_version = {x["spec"]["version"]: x for x in dvs}
-    old_state = st.get("rollout") or {}
-    in_flight = old_state.get("version") if old_state.get("phase") in rollout.ACTIVE else None
-    # A version left in Canary without a rollout in status was interrupted (the operator died
-    # between acting and saving status): it is a candidate again.
-    candidates = [_candidate(x) for x in dvs
-                  if (x.get("status") or {}).get("phase") in (None, "Candidate")
-                  or ((x.get("status") or {}).get("phase") == "Canary"
-                      and x["spec"]["version"] != in_flight)]
-    serving_dv = by_version.get(fleet)
-    serving_eval = ((serving_dv or {}).get("spec") or {}).get("eval", {}).get("tau")
-    d = rollout.step(cfg=s.rollout, pinned=s.pinned_version, serving=fleet, state=old_state,
-                     candidates=candidates, pods=infos, now=now, serving_eval=serving_eval)
-    # One Serving version: repair a switch torn by a crash between the ConfigMap and the records.
-    for version, dv in by_version.items():
-        if version != d.serving and version not in d.phases and \
-                (dv.get("status") or {}).get("phase") == "Serving":
-            d.phases[version] = rollout.PhaseChange("Retired", "Replaced",
-                                                    f"the fleet serves {d.serving}")
-    # The versions the pods' admin call refuses without force, as they are after this step.
-    phases = {v: (dv.get("status") or {}).get("phase") for v, dv in by_version.items()}
-    phases.update({v: ch.phase for v, ch in d.phases.items() if v in by_version})
-    blocked = manifests.blocked_versions(
-        [{"spec": {"version": v}, "status": {"phase": ph}} for v, ph in phases.items()])
-    # Apply: the fleet first, then the pods, then the records; status last (see rollout.py).
-    if d.serving != fleet or manifests.blocked_text(blocked) != fleet_data.get(
-            c.BLOCKED_VERSIONS_KEY):
-        await kube.apply(manifests.configmap(owner, d.serving, blocked))
-    if d.serving != fleet:
-        patch.status["servingVersion"] = d.serving
-        metrics.set_serving(ns, name, d.serving)
-    for pod, version in sorted(d.annotate.items()):
-        try:
-            await kube.patch("Pod", ns, pod,
-                             {"metadata": {"annotations": {c.DESIRED_VERSION: version}}})
-        except kube.ApiError as e:
-            if e.status != 404:
-                raise
-    for version, ch in d.phases.items():
-        dv = by_version.get(version)
-        if dv is not None:
-            await _set_drafter_phase(dv, ch.phase, ch.reason, ch.message, ch.fields, logger)
-    for type_, reason, message in d.events:
-        kopf.event(body, type=type_, reason=reason, message=message)
-    if d.state != old_state:
-        patch.status["rollout"] = replace_patch(old_state, d.state)
-    phase = d.state.get("phase")
-    active = phase in rollout.ACTIVE
-    patch.status["candidateVersion"] = d.state.get("version") if active else None
-    versions = sorted(set(by_version) | {d.serving})
-    patch.status["latestVersion"] = versions[-1] if versions else None
-    t = _ts(now)
-    if active:
-        conds = set_condition(conds, "Progressing", True, f"Rollout{phase}",
-                              d.state.get("message", ""), t, gen)
-    elif not st.get("distillation", {}).get("activeJob") and \
-            not (patch.status.get("distillation") or {}).get("activeJob"):
-        conds = set_condition(conds, "Progressing", False, "Idle",
-                              f"serving {d.serving}; no rollout in flight", t, gen)
-    if phase == "RolledBack" and d.state.get("reason") != "Pinned":
-        conds = set_condition(conds, "Degraded", True, d.state.get("reason", phase),
-                              f"last rollout: {d.state.get('message', '')}", t, gen)
-    else:
-        conds = set_condition(conds, "Degraded", False, "Healthy",
-                              d.state.get("message") or "no failed rollout", t, gen)
-    started = rollout.parse_ts(d.state.get("startedAt"))
-    metrics.set_rollout(ns, name, active, started.timestamp() if started else None)
-    return conds
 
 
 @kopf.on.delete(**SERVICE, optional=True)

@@ -199,8 +199,9 @@ def main(argv=None) -> int:
                 return cell_requests(prompts, n, args.max_new_tokens, stop)
 
             engines = {m: build_engine(pair, m, c, max_seq, n, requests, block) for m in modes}
+            shares: dict[int, list[float]] = {}  # per engine, each timed run's drafted share (timed)
 
-            def timed(e, requests=requests):
+            def timed(e, requests=requests, shares=shares):
                 """One run: (wall tok/s, CPU tok/s, output ids, outputs)."""
                 e.stats = EngineStats()
                 if e.posterior is not None:  # cold calibration: no history carried over
@@ -210,6 +211,9 @@ def main(argv=None) -> int:
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 ids = [o.output_ids for o in outs]
                 done = sum(len(x) for x in ids)
+                if e.posterior is not None:  # every timed run's drafted share of request-steps
+                    steps = sum(o.stats.steps for o in outs)
+                    shares.setdefault(id(e), []).append(sum(sum(o.stats.drafted) for o in outs) / max(steps, 1))
                 return done / wall, done / cpu, ids, outs
 
             for e in engines.values():  # untimed warm-up: allocator, adaflash's cost profile
@@ -265,6 +269,9 @@ def main(argv=None) -> int:
                        "cpu_throughput_tok_s": cmed[m], "cpu_samples": cput[m], **first[m + "_stats"]}
                 if "ar" in modes and m != "ar":
                     row["cpu_vs_ar"] = cmed[m] / cmed["ar"]
+                if shares.get(id(engines[m])):
+                    # the stats above are the first repeat's; a run that drafts little moves a cell
+                    row["drafted_shares"] = [round(x, 4) for x in shares[id(engines[m])]]
                 if m.startswith("adaflash") and best:
                     row["vs_best_fixed"] = med[m] / best
                     row["cpu_vs_best_fixed"] = cmed[m] / cbest
@@ -291,6 +298,7 @@ def main(argv=None) -> int:
                 cal = first[m_ada + "_stats"]["calibration"]
                 extra += (f"  {m_ada}/max wall {med[m_ada] / best:.3f} cpu {cmed[m_ada] / cbest:.3f}"
                           f"  drafted {first[m_ada + '_stats']['drafted_share']:.2f}"
+                          f" (runs {min(shares[id(engines[m_ada])]):.2f}-{max(shares[id(engines[m_ada])]):.2f})"
                           f"  mae {cal['mae'] if cal['mae'] is None else round(cal['mae'], 4)}")
             if ceiling and "ar" in modes:
                 extra += f"  ceiling/ar {ceiling / cmed['ar']:.3f}"

@@ -22,9 +22,10 @@ from sglang_adaflash.planner import SurvivalPosterior
 from sglang_adaflash.planner.cost import OnlineCostModel, StepCostModel, _Ridge
 
 # one request on a CPU (what benchmarks/adaptive/lockout.py meets): a plain step 6 ms; a verify
-# of L tokens 6 ms + 0.25 ms a token, plus 2 ms once it leaves the single-token path; drafting 4 ms
+# of L tokens 6 ms + 0.25 ms a token, plus 2 ms once it leaves the single-token path; drafting 4 ms,
+# which the start-up profile put at 2 ms (it times a drafter forward alone, at its best of two)
 A, C, W, DRAFT = 0.006, 0.00025, 0.002, 0.004
-PROFILE = StepCostModel(fixed=A, per_token=C, per_draft=0.001, draft_fixed=0.003)
+PROFILE = StepCostModel(fixed=A, per_token=C, per_draft=0.0005, draft_fixed=0.0015)
 BURST, FACTOR = 12, 6.0  # drafted steps observed at FACTOR times the drafting price
 
 

@@ -26,9 +26,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR, workload_path  # noqa: E402
 from sglang_adaflash.assets.chat_format import render_prompt  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
+from sglang_adaflash.bench.runner import recorded_path  # noqa: E402
 from sglang_adaflash.core.sampling import SamplingParams  # noqa: E402
 from sglang_adaflash.engine.engine import SpecEngine  # noqa: E402
 from sglang_adaflash.engine.request import Request  # noqa: E402
+from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
 from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 
 
@@ -75,10 +77,13 @@ def main(argv=None) -> int:
     for r in runs:
         print(f"burst {r['burst']:2d}: drafted share after the first request {r['drafted_share_after_first']:.3f} "
               f"{r['drafted_share_per_request']}")
-    out = {"command": "benchmarks/adaptive/lockout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--out" in given:  # no machine's absolute path in the record
+        given[given.index("--out") + 1] = recorded_path(args.out)
+    out = {"command": "benchmarks/adaptive/lockout.py " + " ".join(given),
            "machine": cpu_description(), "runs": runs}
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_text_atomic(args.out, json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -1,10 +1,9 @@
-"""The operator's clock and its timestamps in status (UTC, RFC 3339, as rollout.parse_ts reads them)."""
+"""The operator's clock and its timestamps in status (UTC, RFC 3339 to the second, as
+rollout.parse_ts reads them)."""
 
 from __future__ import annotations
 
 import datetime as dt
-
-from .rollout import _ts
 
 
 def now() -> dt.datetime:
@@ -12,4 +11,4 @@ def now() -> dt.datetime:
 
 
 def ts(t: dt.datetime) -> str:
-    return _ts(t)
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

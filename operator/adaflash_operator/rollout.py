@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import contract as c
+from .clock import ts as _ts
 from .distill import mean_tau
 from .spec import Rollout
 
@@ -116,10 +117,6 @@ class Decision:
     annotate: dict[str, str | None] = field(default_factory=dict)  # pod -> desired (None: remove)
     phases: dict[str, PhaseChange] = field(default_factory=dict)  # version -> change
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-
-
-def _ts(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_ts(s: str | None) -> dt.datetime | None:

@@ -23,8 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
-from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR, workload_path  # noqa: E402
-from sglang_adaflash.assets.chat_format import render_prompt  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
+
+from run import workloads  # noqa: E402
+
+from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
 from sglang_adaflash.bench.runner import recorded_path  # noqa: E402
 from sglang_adaflash.core.sampling import SamplingParams  # noqa: E402
@@ -32,15 +35,12 @@ from sglang_adaflash.engine.engine import SpecEngine  # noqa: E402
 from sglang_adaflash.engine.request import Request  # noqa: E402
 from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
 from sglang_adaflash.launch.loading import load_pair  # noqa: E402
+from sglang_adaflash.launch.prompts import resolve_prompt_ids  # noqa: E402
 
 
 def prompts(pair, per_domain: int) -> list[tuple[str, list[int]]]:
-    rows = []
-    for domain in ("code", "prose"):
-        with open(workload_path(domain)) as f:
-            rows.append([json.loads(line) for line, _ in zip(f, range(per_domain))])
-    return [(r["domain"], pair.tokenizer.encode(render_prompt(r["prompt"]), add_special_tokens=False))
-            for both in zip(*rows) for r in both]
+    """run.py's in-domain workload, in its order (code and prose alternating): (domain, ids)."""
+    return [(s.domain, resolve_prompt_ids(s, pair.tokenizer)) for s in workloads(per_domain)["in_domain"]]
 
 
 def serve(pair, requests, burst: int, factor: float) -> dict:

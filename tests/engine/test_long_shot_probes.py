@@ -56,10 +56,12 @@ def test_could_pay_reads_the_best_evidence_and_the_step_cost():
     wide = DraftChoice(_posterior(64, [14] + [0] * 63), 16, 2, "cpu")
     assert wide.could_pay(1, mid)
     assert not wide.could_pay(64, mid)
-    # a row with no history, in a domain with none, is no evidence: nothing rules drafting out
-    cold = SurvivalPosterior(4)
-    cold.reset(torch.arange(4), ["new"] * 4)
+    # a row with no history, in a domain with none, is no evidence: only the step's price rules
+    # drafting out, where not even a drafter that is always right would pay
+    cold = SurvivalPosterior(64)
+    cold.reset(torch.arange(64), ["new"] * 64)
     assert DraftChoice(cold, 16, 2, "cpu").could_pay(4, TOKEN_BOUND)
+    assert not DraftChoice(cold, 16, 2, "cpu").could_pay(64, DEAR_ROWS)
 
 
 def test_a_lone_failing_row_is_no_long_shot_where_another_domain_pays():
@@ -74,6 +76,32 @@ def test_a_lone_failing_row_is_no_long_shot_where_another_domain_pays():
     assert DraftChoice(post, 16, 2, "cpu").could_pay(1, FIXED_BOUND)
     alone = _posterior(1, [0])
     assert not DraftChoice(alone, 16, 2, "cpu").could_pay(1, FIXED_BOUND)
+
+
+# a drafted row costs more than its verified tokens save in a batch of 64, even accepting whole
+# blocks (in-domain c=32 and c=64 on the embedded pair, as fitted: benchmarks/adaptive/README.md)
+DEAR_ROWS = StepCostModel(fixed=0.012, per_token=0.0003, per_draft=0.003, draft_fixed=0.007)
+
+
+def test_cold_rows_read_the_drafter_only_where_a_perfect_drafter_could_pay():
+    """Eight cold rows of one domain: FIRST_READS of them read the drafter where whole accepted
+    blocks would pay (a batch of 8 at DEAR_ROWS' prices); none where not even those would (a
+    batch of 64: the step's price alone rules drafting out, and a read cannot change the plan).
+    Control: the same 64 with the old rule (first reads whatever the price) read FIRST_READS."""
+    def forced(bs: int, perfect: bool | None = None) -> int:
+        post = SurvivalPosterior(bs)
+        post.reset(torch.arange(bs), ["d"] * bs)
+        choice = DraftChoice(post, 16, 2, "cpu", probe_share=0.0)
+        if perfect is not None:
+            choice.perfect_could_pay = lambda bs, cost: perfect
+        seqs = [SimpleNamespace(since_draft=0, probe_gap=16) for _ in range(bs)]
+        drafted, probes = choice.choose(seqs, [16] * bs, DEAR_ROWS, measured=False)
+        assert drafted == probes
+        return len(probes)
+
+    assert forced(8) == draft_choice.FIRST_READS
+    assert forced(64) == 0
+    assert forced(64, perfect=True) == draft_choice.FIRST_READS
 
 
 # one request, a plain step's fixed part large (c=1): drafting pays from a survival near 0.5

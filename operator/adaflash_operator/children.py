@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import autoscaling, kube, manifests, placement, policies, quantity
+from . import autoscaling, job_manifests, kube, manifests, placement, policies, quantity
 from . import contract as c
 from . import spec as spec_mod
 
@@ -221,7 +221,7 @@ async def reconcile(owner: dict, s: spec_mod.ServiceSpec, *, secret_recheck_s: f
         await apply(child)
     dep = await apply(manifests.deployment(owner, s))
     await apply(manifests.service(owner, s))
-    await apply(manifests.retention_cronjob(owner, s, modes))
+    await apply(job_manifests.retention_cronjob(owner, s, modes))
     if s.pdb_enabled:
         await apply(policies.pod_disruption_budget(owner, s))
     else:

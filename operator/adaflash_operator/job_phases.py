@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from . import children, distill, kube, manifests, metrics, rollout
+from . import children, distill, job_manifests, kube, metrics, rollout
 from . import contract as c
 from . import spec as spec_mod
 from .clock import now as _now
@@ -76,7 +76,7 @@ async def bootstrap(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, st: d
     elif not (b.get("phase") == "Failed" and
               (rollout.parse_ts(b.get("retryAfter")) or now) > now):
         attempts += 1
-        jb = manifests.bootstrap_job(owner, s, attempts, patch.claim_modes)
+        jb = job_manifests.bootstrap_job(owner, s, attempts, patch.claim_modes)
         try:
             await kube.create(jb)
         except kube.ApiError as e:
@@ -143,7 +143,7 @@ async def distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fl
                                   _ts(now), gen)
         elif outcome == "succeeded":
             try:
-                dv = manifests.drafter_version(owner, report, active)
+                dv = job_manifests.drafter_version(owner, report, active)
                 try:
                     await kube.create(dv)
                 except kube.ApiError as e:
@@ -218,8 +218,8 @@ async def distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fl
             retry = failures > 0
             round_ = int(d.get("round") or 0) + (0 if retry else 1)
             round_ = max(round_, 1)
-            jobset = s.distillation.nodes > 1 and await kube.has_api(manifests.JOBSET_API)
-            jb = manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes,
+            jobset = s.distillation.nodes > 1 and await kube.has_api(job_manifests.JOBSET_API)
+            jb = job_manifests.job(owner, s, round_, failures + 1, fleet, patch.claim_modes,
                                jobset=jobset)
             jname, kind = jb["metadata"]["name"], jb["kind"]
             foreign = None
@@ -270,7 +270,7 @@ async def distillation(owner: dict, body: kopf.Body, s: spec_mod.ServiceSpec, fl
 async def _ensure_rendezvous_service(job: dict) -> None:
     """The headless Service a multi-node Job's pods find each other by (owned by the Job)."""
     try:
-        await kube.create(manifests.rendezvous_service(job))
+        await kube.create(job_manifests.rendezvous_service(job))
     except kube.ApiError as e:
         if e.status != 409:
             raise

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from adaflash_operator import contract as c
-from adaflash_operator import manifests
+from adaflash_operator import job_manifests, manifests
 from adaflash_operator.spec import parse
 from conftest import drop_namespace, install, new_namespace
 from controlplane import OPERATOR_SA, RELEASE, RELEASE_NS, Api, ApiError, wait_for
@@ -106,11 +106,11 @@ def test_a_jobset_runs_as_the_services_jobs_account(chart, api: Api, namespace: 
         op = api.as_token(api.request_token(RELEASE_NS, OPERATOR_SA))
         spec = afs(ns, replicas=1, distillation={"nodes": 2})["spec"]
         owner = api.create(afs(ns, replicas=1, distillation={"nodes": 2}))
-        built = manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
+        built = job_manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
         assert built["kind"] == "JobSet"
 
         def variant(name: str, change) -> dict:
-            js = manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
+            js = job_manifests.job(owner, parse(spec), 1, 1, "v000001", jobset=True)
             js["metadata"]["name"] = name
             change(js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
             return js

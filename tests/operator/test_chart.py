@@ -357,7 +357,7 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
 
 
 def test_every_manifest_the_operator_builds_validates() -> None:
-    from adaflash_operator import manifests
+    from adaflash_operator import job_manifests, manifests
 
     owner = {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND,
              "metadata": {"name": "qwen", "namespace": "ml", "uid": "0b1c-2d3e"}}
@@ -370,15 +370,15 @@ def test_every_manifest_the_operator_builds_validates() -> None:
     built = [manifests.pvc(owner, s), manifests.configmap(owner, "v000001"),
              manifests.service_account(owner), manifests.role(owner),
              manifests.role_binding(owner), manifests.deployment(owner, s),
-             manifests.service(owner, s), manifests.job(owner, s, 1, 1, "v000001"),
-             manifests.jobs_service_account(owner), manifests.retention_cronjob(owner, s_all),
-             manifests.job(owner, s_all, 1, 1, "v000001"),
+             manifests.service(owner, s), job_manifests.job(owner, s, 1, 1, "v000001"),
+             manifests.jobs_service_account(owner), job_manifests.retention_cronjob(owner, s_all),
+             job_manifests.job(owner, s_all, 1, 1, "v000001"),
              policies.pod_disruption_budget(owner, s), policies.network_policy(owner, s),
              autoscaling.hpa(owner, s_all)]
     for doc in built:
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
-    dv = manifests.drafter_version(owner, {
+    dv = job_manifests.drafter_version(owner, {
         "version": "v000002", "parent": "v000001", "created": "2026-11-30T09:00:00Z",
         "target": {"name": "Qwen/Qwen3-8B", "sha256": "ab" * 32},
         "training": {"algorithm": "opd-rkl", "records": 10, "steps": 2, "finalLoss": 0.5},

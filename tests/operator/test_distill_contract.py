@@ -1,5 +1,5 @@
 """The distillation Job's contract, run for real: exactly the command and arguments the operator
-puts in the Job (manifests.job), on a tiny seeded volume, and the report parsed by the operator's
+puts in the Job (job_manifests.job), on a tiny seeded volume, and the report parsed by the operator's
 own parser into a DrafterVersion its CRD schema accepts.
 
 Only the two paths Kubernetes provides are moved into a temp dir: the shared volume's mount
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from adaflash_operator import contract as c
-from adaflash_operator import crds, distill, manifests
+from adaflash_operator import crds, distill, job_manifests
 from adaflash_operator.spec import parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def _run_job(tmp_path: Path, target: Path, home: Path, min_new_records: int, gpu
     spec = parse({"model": {"target": str(target)}, "serving": {"image": "img"},
                   "distillation": {"minNewRecords": min_new_records, "gpus": gpus, "extraArgs": [
                       "--epochs", "1", "--batch-size", "4", "--threads", "1"]}})
-    job = manifests.job(OWNER, spec, 1, 1, "v000001")
+    job = job_manifests.job(OWNER, spec, 1, 1, "v000001")
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
     report = tmp_path / "termination-log"
 
@@ -137,7 +137,7 @@ def test_the_operators_job_command_publishes_a_version_the_operator_accepts(
     # The DrafterVersion the operator would create passes the CRD schema.
     import jsonschema
 
-    dv = manifests.drafter_version(owner, parsed, job["metadata"]["name"])
+    dv = job_manifests.drafter_version(owner, parsed, job["metadata"]["name"])
     schema = crds.openapi_schema(c.DRAFTER_KIND)
     schema["properties"]["metadata"] = {"type": "object"}
     jsonschema.Draft4Validator(schema).validate(dv)
@@ -185,7 +185,7 @@ def test_the_operators_bootstrap_job_imports_the_first_version(tmp_path: Path) -
     shutil.copytree(pair.drafter_dir, home / "seed" / "dflash")  # put on the claim by a user
     spec = parse({"model": {"target": str(pair.target_dir)}, "serving": {"image": "img"},
                   "drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}})
-    ctr = manifests.bootstrap_job(OWNER, spec, 1)["spec"]["template"]["spec"]["containers"][0]
+    ctr = job_manifests.bootstrap_job(OWNER, spec, 1)["spec"]["template"]["spec"]["containers"][0]
     report = tmp_path / "termination-log"
 
     def place(arg: str) -> str:

@@ -5,7 +5,7 @@ graceful shutdown, the PodDisruptionBudget, the NetworkPolicy, the autoscalers, 
 from __future__ import annotations
 
 import pytest
-from adaflash_operator import autoscaling, manifests, placement, policies, quantity
+from adaflash_operator import autoscaling, job_manifests, manifests, placement, policies, quantity
 from adaflash_operator import contract as c
 from adaflash_operator.children import keep_claim_spec
 from adaflash_operator.spec import InvalidSpec, parse
@@ -70,15 +70,15 @@ def test_jobs_and_cronjob_run_as_their_own_account_with_the_serving_placement() 
     dep = manifests.deployment(OWNER, s)["spec"]["template"]["spec"]
     assert dep["imagePullSecrets"] == [{"name": "regcred"}]
     assert dep["priorityClassName"] == "inference" and dep["affinity"] == PLACED["affinity"]
-    job = manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
-    cron = manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
+    job = job_manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
+    cron = job_manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
         "spec"]
-    boot = manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
+    boot = job_manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
     # Every Job shape: an Indexed Job over several nodes, and each pod of a JobSet.
     multi = parse({**MIN, "serving": PLACED, "distillation": {"priorityClassName": "batch",
                                                               "nodes": 2}})
-    indexed = manifests.job(OWNER, multi, 1, 1, "v000001")["spec"]["template"]["spec"]
-    jobset = manifests.job(OWNER, multi, 1, 1, "v000001", jobset=True)["spec"][
+    indexed = job_manifests.job(OWNER, multi, 1, 1, "v000001")["spec"]["template"]["spec"]
+    jobset = job_manifests.job(OWNER, multi, 1, 1, "v000001", jobset=True)["spec"][
         "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     for pod in (job, cron, boot, indexed, jobset):
         assert pod["serviceAccountName"] == "qwen-jobs"
@@ -94,10 +94,10 @@ def test_jobs_and_cronjob_run_as_their_own_account_with_the_serving_placement() 
 def test_a_single_node_claim_puts_the_jobs_on_the_serving_pods_node(mode: str) -> None:
     s = parse({**MIN, "serving": PLACED, "storage": {"accessMode": mode},
                "drafter": {"bootstrap": {"source": "Import", "path": "seed"}}})
-    job = manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
-    cron = manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
+    job = job_manifests.job(OWNER, s, 1, 1, "v000001")["spec"]["template"]["spec"]
+    cron = job_manifests.retention_cronjob(OWNER, s)["spec"]["jobTemplate"]["spec"]["template"][
         "spec"]
-    boot = manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
+    boot = job_manifests.bootstrap_job(OWNER, s, 1)["spec"]["template"]["spec"]
     for pod in (job, cron, boot):
         (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term == {"labelSelector": {"matchLabels": SERVING},
@@ -105,14 +105,14 @@ def test_a_single_node_claim_puts_the_jobs_on_the_serving_pods_node(mode: str) -
         assert pod["affinity"]["nodeAffinity"] == PLACED["affinity"]["nodeAffinity"]
     # Scaled to zero, nobody holds the claim: anywhere will do.
     s0 = parse({**MIN, "replicas": 0, "storage": {"accessMode": mode}})
-    assert "affinity" not in manifests.job(OWNER, s0, 1, 1, "v000001")["spec"]["template"][
+    assert "affinity" not in job_manifests.job(OWNER, s0, 1, 1, "v000001")["spec"]["template"][
         "spec"]
     # An existing claim: its modes come from the cluster.
     sx = parse({**MIN, "storage": {"existingClaim": "shared"}})
-    pod = manifests.job(OWNER, sx, 1, 1, "v000001", ["ReadWriteOnce"])["spec"]["template"][
+    pod = job_manifests.job(OWNER, sx, 1, 1, "v000001", ["ReadWriteOnce"])["spec"]["template"][
         "spec"]
     assert "podAffinity" in pod["affinity"]
-    assert "affinity" not in manifests.job(OWNER, sx, 1, 1, "v000001", [])["spec"][
+    assert "affinity" not in job_manifests.job(OWNER, sx, 1, 1, "v000001", [])["spec"][
         "template"]["spec"]
 
 

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from adaflash_operator import manifests
+from adaflash_operator import job_manifests
 from adaflash_operator.retention import main
 from adaflash_operator.spec import parse
 
@@ -57,7 +57,7 @@ def test_the_cronjob_runs_it_with_the_specs_settings() -> None:
     s = parse({"model": {"target": "t"}, "serving": {"image": "img:1"},
                "retention": {"trafficDays": 7, "keepVersions": 4},
                "drafter": {"pinnedVersion": "v000003"}})
-    cj = manifests.retention_cronjob(owner, s)
+    cj = job_manifests.retention_cronjob(owner, s)
     pod = cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     (ctr,) = pod["containers"]
     assert ctr["command"] == ["python", "-m", "adaflash_operator.retention"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from adaflash_operator import contract as c
-from adaflash_operator import distill, manifests
+from adaflash_operator import distill, job_manifests, manifests
 from adaflash_operator.conditions import is_subset, replace_patch, set_condition
 from adaflash_operator.spec import InvalidSpec, parse
 
@@ -88,11 +88,11 @@ def test_every_child_is_owned_by_the_service() -> None:
     ref = manifests.owner_reference(OWNER)
     assert ref == {"apiVersion": c.API_VERSION, "kind": c.SERVICE_KIND, "name": "qwen",
                    "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
-    built = [manifests.configmap(OWNER, "v000001"), manifests.retention_cronjob(OWNER, s),
+    built = [manifests.configmap(OWNER, "v000001"), job_manifests.retention_cronjob(OWNER, s),
              manifests.service_account(OWNER), manifests.role(OWNER),
              manifests.role_binding(OWNER), manifests.deployment(OWNER, s),
-             manifests.service(OWNER, s), manifests.job(OWNER, s, 1, 1, "v000001"),
-             manifests.drafter_version(OWNER, {"version": "v000002"}, "qwen-distill-1-1")]
+             manifests.service(OWNER, s), job_manifests.job(OWNER, s, 1, 1, "v000001"),
+             job_manifests.drafter_version(OWNER, {"version": "v000002"}, "qwen-distill-1-1")]
     for m in built:
         assert m["metadata"]["ownerReferences"] == [ref], m["kind"]
         assert m["metadata"]["namespace"] == "ml"
@@ -165,13 +165,13 @@ def test_child_names_stay_within_kubernetes_limits() -> None:
     name = "a" * 40
     owner = {**OWNER, "metadata": {**OWNER["metadata"], "name": name}}
     s = parse(MIN)
-    assert len(manifests.job(owner, s, 12345, 99, "v000001")["metadata"]["name"]) <= 63
-    assert len(manifests.retention_cronjob(owner, s)["metadata"]["name"]) <= 52
+    assert len(job_manifests.job(owner, s, 12345, 99, "v000001")["metadata"]["name"]) <= 63
+    assert len(job_manifests.retention_cronjob(owner, s)["metadata"]["name"]) <= 52
     long_job = manifests.job_name("b" * 60, 3, 1)
     # 54: a JobSet of that name gives its pods the hostname `<name>-node-0-<index>`
     assert len(long_job) == 54 and long_job.endswith("-distill-3-1")
     assert long_job != manifests.job_name("b" * 59 + "c", 3, 1)  # the hash keeps them apart
-    assert len(manifests.bootstrap_job_name("b" * 60, 12)) == 54
+    assert len(job_manifests.bootstrap_job_name("b" * 60, 12)) == 54
 
 
 def _container(job: dict) -> dict:
@@ -180,13 +180,13 @@ def _container(job: dict) -> dict:
 
 def test_a_job_with_several_gpus_runs_torchrun_with_a_process_per_gpu() -> None:
     """The Job trains on every GPU it is given: torchrun, one process per GPU of the pod."""
-    one = _container(manifests.job(OWNER, parse(MIN), 1, 1, "v000001"))
+    one = _container(job_manifests.job(OWNER, parse(MIN), 1, 1, "v000001"))
     assert one["command"] == ["python", "-m", "training_job.distill"]
     s = parse({**MIN, "distillation": {"gpus": 8}})
-    job = manifests.job(OWNER, s, 1, 1, "v000001")
+    job = job_manifests.job(OWNER, s, 1, 1, "v000001")
     ctr = _container(job)
     assert ctr["command"] == ["torchrun", "--nproc-per-node=8", "-m", "training_job.distill"]
-    assert ctr["args"] == manifests.distill_args(s, "v000001")
+    assert ctr["args"] == job_manifests.distill_args(s, "v000001")
     assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert "completionMode" not in job["spec"] and "subdomain" not in \
         job["spec"]["template"]["spec"]
@@ -194,7 +194,7 @@ def test_a_job_with_several_gpus_runs_torchrun_with_a_process_per_gpu() -> None:
 
 def test_several_nodes_make_an_indexed_job_that_meets_at_its_first_pod() -> None:
     s = parse({**MIN, "distillation": {"gpus": 4, "nodes": 3}})
-    job = manifests.job(OWNER, s, 2, 1, "v000001")
+    job = job_manifests.job(OWNER, s, 2, 1, "v000001")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
     assert spec["backoffLimit"] == 0  # one lost node fails the round; the operator retries
@@ -204,7 +204,7 @@ def test_several_nodes_make_an_indexed_job_that_meets_at_its_first_pod() -> None
         "--rdzv-endpoint=qwen-distill-2-1-0.qwen-distill-2-1.ml.svc:29500",
         "--rdzv-id=qwen-distill-2-1", "-m", "training_job.distill"]
     created = {**job, "metadata": {**job["metadata"], "uid": "job-uid"}}
-    svc = manifests.rendezvous_service(created)
+    svc = job_manifests.rendezvous_service(created)
     assert svc["metadata"]["name"] == "qwen-distill-2-1"
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
     assert svc["spec"]["selector"] == {c.LABEL_DISTILL_JOB: "qwen-distill-2-1"}
@@ -212,8 +212,8 @@ def test_several_nodes_make_an_indexed_job_that_meets_at_its_first_pod() -> None
         "qwen-distill-2-1"
     assert svc["metadata"]["ownerReferences"][0]["uid"] == "job-uid"  # goes with the Job
     # where the cluster serves JobSet: one JobSet, whose own headless Service names the pods
-    js = manifests.job(OWNER, s, 2, 1, "v000001", jobset=True)
-    assert js["kind"] == "JobSet" and js["apiVersion"] == manifests.JOBSET_API
+    js = job_manifests.job(OWNER, s, 2, 1, "v000001", jobset=True)
+    assert js["kind"] == "JobSet" and js["apiVersion"] == job_manifests.JOBSET_API
     assert js["spec"]["network"]["subdomain"] == "qwen-distill-2-1"
     rjob = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert rjob["completions"] == 3 and "subdomain" not in rjob["template"]["spec"]
@@ -229,7 +229,7 @@ def test_several_nodes_need_a_volume_every_node_can_mount() -> None:
 
 def test_the_bootstrap_job_imports_or_trains_the_first_version() -> None:
     imp = parse({**MIN, "drafter": {"bootstrap": {"source": "Import", "path": "seed/dflash"}}})
-    job = manifests.bootstrap_job(OWNER, imp, 1)
+    job = job_manifests.bootstrap_job(OWNER, imp, 1)
     ctr = _container(job)
     assert job["metadata"]["name"] == "qwen-bootstrap-1"
     assert ctr["name"] == c.BOOTSTRAP_CONTAINER
@@ -240,7 +240,7 @@ def test_the_bootstrap_job_imports_or_trains_the_first_version() -> None:
     assert "nvidia.com/gpu" not in ctr["resources"].get("limits", {})
     train = parse({**MIN, "distillation": {"gpus": 8}, "drafter": {"bootstrap": {
         "source": "Train", "path": "seed/prompts.jsonl", "extraArgs": ["--max-steps", "9"]}}})
-    ctr = _container(manifests.bootstrap_job(OWNER, train, 2))
+    ctr = _container(job_manifests.bootstrap_job(OWNER, train, 2))
     assert ctr["command"] == ["torchrun", "--nproc-per-node=8", "-m", "training_job.bootstrap"]
     assert ctr["args"][-5:] == ["--prompts", f"{c.HOME}/seed/prompts.jsonl", "--",
                                 "--max-steps", "9"]
@@ -285,7 +285,7 @@ def test_job_takes_the_serving_placement_and_resources_and_no_token() -> None:
                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                 "effect": "NoSchedule"}],
                "resources": {"requests": {"memory": "64Gi", "cpu": "8"}}}
-    job = manifests.job(OWNER, parse({**MIN, "serving": serving}), 1, 1, "v000001")
+    job = job_manifests.job(OWNER, parse({**MIN, "serving": serving}), 1, 1, "v000001")
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "h100"}
     assert pod["tolerations"] == serving["tolerations"]
@@ -294,7 +294,7 @@ def test_job_takes_the_serving_placement_and_resources_and_no_token() -> None:
     assert pod["automountServiceAccountToken"] is False
     # The job's own placement wins.
     own = {"nodeSelector": {"pool": "train"}, "resources": {"limits": {"memory": "100Gi"}}}
-    job = manifests.job(OWNER, parse({**MIN, "serving": serving, "distillation": own}), 1, 1,
+    job = job_manifests.job(OWNER, parse({**MIN, "serving": serving, "distillation": own}), 1, 1,
                         "v000001")
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "train"}
@@ -304,7 +304,7 @@ def test_job_takes_the_serving_placement_and_resources_and_no_token() -> None:
 
 def test_job_reports_through_its_termination_message() -> None:
     s = parse({**MIN, "distillation": {"gpus": 4, "extraArgs": ["--epochs", "2"]}})
-    job = manifests.job(OWNER, s, 3, 2, "v000004")
+    job = job_manifests.job(OWNER, s, 3, 2, "v000004")
     assert job["metadata"]["name"] == "qwen-distill-3-2" and job["spec"]["backoffLimit"] == 0
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
     assert ctr["command"] == ["torchrun", "--nproc-per-node=4", "-m", "training_job.distill"]
@@ -421,7 +421,7 @@ def test_rollout_start_gauge_is_cleared_when_the_rollout_ends() -> None:
 def test_report_becomes_a_drafter_version() -> None:
     rep = distill.parse_report(json.dumps({"version": "v000002", "parent": "v000001",
                                            "eval": {"tau": {"chat": 5.0}}}))
-    dv = manifests.drafter_version(OWNER, rep, "qwen-distill-1-1")
+    dv = job_manifests.drafter_version(OWNER, rep, "qwen-distill-1-1")
     assert dv["metadata"]["name"] == "qwen-v000002"
     assert dv["spec"] == {"service": "qwen", "version": "v000002", "jobName": "qwen-distill-1-1",
                           "parent": "v000001", "eval": {"tau": {"chat": 5.0}}}

@@ -27,13 +27,13 @@ _argv = job_argv
 def _drafter_version_spec(report: dict) -> dict:
     """What the operator makes of the report, checked against the CRD schema."""
     import jsonschema
-    from adaflash_operator import crds, manifests
+    from adaflash_operator import crds, job_manifests
     from adaflash_operator.distill import parse_report
 
     parsed = parse_report(json.dumps(report))
     owner = {"metadata": {"name": "svc", "namespace": "ns", "uid": "u"},
              "apiVersion": "adaflash.io/v1alpha1", "kind": "AdaFlashService"}
-    dv = manifests.drafter_version(owner, parsed, "svc-distill-1-1")
+    dv = job_manifests.drafter_version(owner, parsed, "svc-distill-1-1")
     schema = crds.openapi_schema("DrafterVersion")
     schema["properties"]["metadata"] = {"type": "object"}
     jsonschema.Draft4Validator(schema, format_checker=jsonschema.FormatChecker()).validate(dv)
@@ -294,13 +294,13 @@ def test_the_operators_command_line_parses_and_the_module_runs(tmp_path):
     import subprocess
     import sys
 
-    from adaflash_operator import manifests
+    from adaflash_operator import job_manifests
     from adaflash_operator.spec import parse
 
     spec = parse({"model": {"target": "Qwen/Qwen3-8B"}, "serving": {"image": "img"},
                   "distillation": {"minNewRecords": 256,
                                    "extraArgs": ["--algorithm", "osd", "--epochs", "3"]}})
-    args = distill.build_parser().parse_args(manifests.distill_args(spec, "v000004"))
+    args = distill.build_parser().parse_args(job_manifests.distill_args(spec, "v000004"))
     assert (args.home, args.target, args.parent, args.min_records, args.report) == (
         "/var/lib/adaflash", "Qwen/Qwen3-8B", "v000004", 256, "/dev/termination-log")
     assert (args.algorithm, args.epochs) == ("osd", 3)

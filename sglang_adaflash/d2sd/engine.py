@@ -29,14 +29,16 @@ from ..engine.step_state import SpecBatch, _Seq
 from ..planner.calibration import SurvivalPosterior
 from ..target.hf_target import HFTarget
 from . import BRANCH_DRAFTERS, TREE_RULES, cascade, joint
-from .recovery import TreeCost, plan_tree
+from .branch_evidence import BranchEvidence
+from .branches import BranchProposals
+from .recovery import plan_tree
 from .recovery_drafter import TreeProposer, source_limitation
-from .tree import Branch, TreeRow, build_row, flatten
+from .tree import TreeRow, build_row, flatten
 from .tree_target import TreeForward, commit_paths, gather_nodes, tree_forward
 from .tree_verify import PathResult, greedy_reads, greedy_walk, sampling_walk
 
 
-class D2SDEngine(SpecEngine):
+class D2SDEngine(BranchProposals, BranchEvidence, SpecEngine):
     def __init__(
         self,
         target: HFTarget,
@@ -367,122 +369,6 @@ class D2SDEngine(SpecEngine):
         alts[0] = mine[1:]
         return rho, lens, alts
 
-    def _joint_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
-        """Slot 1's branch from the recovery drafter's logits of this step's joint forward (its
-        block there is the chain's own), the other slots' from the first drafter's ranks."""
-        at_one = [p for p in pending if p[1] == 1]
-        out = self._first_drafter_branches(seqs, rows, chain_l, [p for p in pending if p[1] != 1], hot_set, q)
-        if at_one:
-            logits = self._joint_logits_now[[j for j, _, _, _ in at_one]]  # [m, L, V] at slots 1..L
-            for j, mine in self._branches_from(seqs, rows, chain_l, at_one, hot_set, logits).items():
-                out[j] = mine + out.get(j, [])  # build_row orders branches by slot
-        return out
-
-    def _branches(self, seqs, rows, chain_l, pending, hot_set) -> dict[int, list[Branch]]:
-        """One recovery-drafter forward for every (row j, slot r, length l, w more alternatives):
-        its block holds the chain's tokens before slot r and masks from r on; the branch is its
-        best token at r other than the chain's (sampled at T > 0 from its distribution without the
-        chain's token), then its tokens at r+1 .. r+l-1; each further alternative is one node, its
-        next best token at r (at T > 0 drawn without the chain's and the earlier alternatives'
-        tokens, which the verifier knows when it tries it)."""
-        b = self.block_size
-        # built on the host in numpy: a torch op per branch here was 6 dispatches a branch
-        ids = np.full((len(pending), b), self.drafter.config.mask_token_id, dtype=np.int64)
-        width = max(ln for _, _, ln, _ in pending)
-        slots = np.array([r for _, r, _, _ in pending], dtype=np.int64)
-        read = np.minimum(slots[:, None] + np.arange(width)[None], b - 1)  # slots r .. r+l-1, then padding
-        for m, (j, r, _, _) in enumerate(pending):
-            known = [seqs[rows[j]].last_token] + chain_l[j][: r - 1]
-            ids[m, : len(known)] = known
-        logits = self._branch_logits(seqs, torch.from_numpy(ids).to(self.device), [rows[j] for j, _, _, _ in pending],
-                                     torch.from_numpy(read).to(self.device))  # [m, width, V]
-        return self._branches_from(seqs, rows, chain_l, pending, hot_set, logits)
-
-    def _branches_from(self, seqs, rows, chain_l, pending, hot_set, logits) -> dict[int, list[Branch]]:
-        """The recovery drafter's branches from its logits [m, >= l, V] at slots r, r+1, ... of
-        each pending (row j, slot r, length l, w more alternatives)."""
-        greedy = [m for m, (j, _, _, _) in enumerate(pending) if j not in hot_set]
-        if greedy:  # every greedy branch's tokens in a few batched reads
-            at = torch.tensor(greedy, device=self.device)
-            ranked = dict(zip(greedy, self._ranked_tokens(
-                logits[at, 0].float(), [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
-                [pending[m][3] for m in greedy])))
-            rest = dict(zip(greedy, logits[at, 1:].float().argmax(-1).tolist()))  # slots r+1 ..
-        out: dict[int, list[Branch]] = {}
-        for m, (j, r, ln, n_alt) in enumerate(pending):
-            if j not in hot_set:
-                mine = [Branch(r, [ranked[m][0]] + rest[m][: ln - 1])] + [Branch(r, [t]) for t in ranked[m][1:]]
-            else:
-                span = logits[m, :ln]  # a sampled row's slots r .. r+l-1
-                seq = seqs[rows[j]]
-                q = filtered_probs(span, *self._sampling_tensors([seq], span.shape[0]))
-                first = q[0].clone()
-                first[chain_l[j][r - 1]] = 0.0  # differs from the chain's token
-                if float(first.sum()) <= 0:
-                    continue
-                first = first / first.sum()
-                toks = [int(self._sample(first[None], [seq])[0])] + (self._sample(q[1:], [seq] * (ln - 1)).tolist()
-                                                                      if ln > 1 else [])
-                mine = [Branch(r, toks, [first] + list(q[1:]))]
-                mine += self._sampled_alternatives(r, first, toks[0], n_alt, seq)
-            self.tree_stats["alternatives"] += len(mine) - 1
-            out.setdefault(j, []).extend(mine)
-        return out
-
-    @staticmethod
-    def _ranked_tokens(scores: torch.Tensor, excluded: list[int], n_alts: list[int]) -> list[list[int]]:
-        """scores [G, V] at each greedy branch's slot, excluded[g] the chain's token there -> each
-        row's best 1 + n_alts[g] tokens other than excluded[g], best first. One top-k and one
-        device read for every row (a read per branch was a host synchronisation per branch on
-        a GPU); the chain's token is dropped on the host."""
-        k = min(max(n_alts) + 2, scores.shape[-1])
-        top = scores.topk(k).indices.tolist()
-        return [[t for t in toks if t != ex][: 1 + n] for toks, ex, n in zip(top, excluded, n_alts)]
-
-    def _first_drafter_branches(self, seqs, rows, chain_l, pending, hot_set, q) -> dict[int, list[Branch]]:
-        """Branches without the second drafter: for (row j, slot r, _, w more alternatives), the
-        first drafter's best tokens at slot r other than the chain's, one node each (at T > 0 the
-        first drawn from its distribution q without the chain's token, each further one without
-        every token tried before it, as in _sampled_alternatives)."""
-        out: dict[int, list[Branch]] = {}
-        greedy = [m for m, (j, _, _, _) in enumerate(pending) if j not in hot_set]
-        if greedy:  # every greedy row's alternatives in a few batched reads
-            at_rows = torch.tensor([pending[m][0] for m in greedy], device=q.device)
-            at_slots = torch.tensor([pending[m][1] - 1 for m in greedy], device=q.device)
-            ranked = dict(zip(greedy, self._ranked_tokens(
-                q[at_rows, at_slots], [chain_l[pending[m][0]][pending[m][1] - 1] for m in greedy],
-                [pending[m][3] for m in greedy])))
-        for m, (j, r, _, n_alt) in enumerate(pending):
-            if j not in hot_set:
-                mine = [Branch(r, [t]) for t in ranked[m]]
-            else:
-                dist = q[j, r - 1].clone()  # a sampled row's slot r distribution (filtered)
-                seq = seqs[rows[j]]
-                dist[chain_l[j][r - 1]] = 0.0
-                if float(dist.sum()) <= 0:
-                    continue
-                dist = dist / dist.sum()
-                tok = int(self._sample(dist[None], [seq])[0])
-                mine = [Branch(r, [tok], dist[None].clone())] + self._sampled_alternatives(r, dist, tok, n_alt, seq)
-            self.tree_stats["alternatives"] += len(mine) - 1
-            out.setdefault(j, []).extend(mine)
-        return out
-
-    def _sampled_alternatives(self, r: int, dist: torch.Tensor, tried: int, n: int, seq) -> list[Branch]:
-        """Up to n more one-node alternatives for slot r at T > 0. dist is the branch's own first
-        token's distribution (the chain's token already removed), tried that token; each further
-        one is drawn from dist without every token tried before it, renormalised, and carries that
-        distribution, which is what the verifier's rejection step divides by."""
-        out, rest = [], dist.clone()
-        for _ in range(n):
-            rest[tried] = 0.0
-            if float(rest.sum()) <= 0:
-                break
-            rest = rest / rest.sum()
-            tried = int(self._sample(rest[None], [seq])[0])
-            out.append(Branch(r, [tried], rest[None].clone()))
-        return out
-
     def _walk(self, seqs, trees: list[TreeRow], fwd: TreeForward) -> list[PathResult]:
         """Each row's accepted path. A greedy row's logits are computed where its walk can read
         them: the chain's nodes, then the branch nodes at the node where the chain stops
@@ -542,118 +428,3 @@ class D2SDEngine(SpecEngine):
             for (j, node), tok in zip(reads, fwd.logits_at(at_rows, at_nodes).argmax(-1).tolist()):
                 ids[j][node] = tok
         return [greedy_walk(t, i) for t, i in zip(trees, ids)]
-
-    # -- costs and the branch survival -----------------------------------------------------
-    def _beta(self) -> float:
-        won, tried = self._beta_obs
-        return (won + 4 * self.beta) / (tried + 4)  # a prior worth four slots
-
-    def _alt_rate(self, rank: int = 0, obs=None) -> float:
-        """How often the alternative of this rank at a branch's slot is right when the chain's
-        token is wrong there (measured; the prior halves with each rank). obs: whose record
-        (the branches' source's; the recovery drafter's by default)."""
-        won, tried = (self._alt_obs if obs is None else obs)[rank]
-        return (won + 4 * self.alt_prior / 2 ** rank) / (tried + 4)
-
-    def _observe_branches(self, trees: list[TreeRow], results: list[PathResult], cap) -> None:
-        """Continuation slots tried and accepted on branches whose alternative was accepted."""
-        won = tried = 0.0
-        alt_won, alt_tried = [0.0] * self.branch_width, [0.0] * self.branch_width
-        joint = self._source == "joint"
-        one_won, one_tried = [0.0] * self.branch_width, [0.0] * self.branch_width  # slot 1's, under joint
-        for tree, r in zip(trees, results):
-            chain_end = tree.chain_length
-            on_branch = [n for n in r.path if n >= chain_end]
-            n_branch = tree.size - chain_end
-            firsts = [k for k in range(chain_end, tree.size) if tree.parents[k] < chain_end]
-            self.tree_stats["branches"] += len(firsts)
-            path = set(r.path)
-            rank: dict[int, int] = {}  # alternatives under one chain node, in the order tried
-            for k in firsts:  # tested: its parent was reached and the chain's token there rejected
-                parent = tree.parents[k]
-                w = rank[parent] = rank.get(parent, -1) + 1
-                if parent in path and parent + 1 not in path and w < self.branch_width:
-                    into_won, into_tried = (one_won, one_tried) if joint and parent == 0 else (alt_won, alt_tried)
-                    into_tried[w] += 1
-                    into_won[w] += k in path
-            self.tree_stats["branch_tokens"] += n_branch
-            if on_branch:
-                self.tree_stats["branch_wins"] += 1
-                first = on_branch[0]
-                kids = tree.children()
-                length, node = 0, first
-                while kids[node]:
-                    node = kids[node][0]
-                    length += 1
-                tried += length
-                won += len(on_branch) - 1
-        self._beta_obs = [0.98 * self._beta_obs[0] + won, 0.98 * self._beta_obs[1] + tried]
-        # under auto the step's branches came from one source: its record moves, the other's stands
-        # under joint, slot 1's alternatives are the recovery drafter's and the others the first's
-        mine = self._first_obs if joint or (self.branch_drafter == "auto" and self._source == "first") else self._alt_obs
-        mine[:] = [[0.98 * o[0] + a, 0.98 * o[1] + t] for o, a, t in zip(mine, alt_won, alt_tried)]
-        if joint:
-            self._joint_obs[:] = [[0.98 * o[0] + a, 0.98 * o[1] + t]
-                                  for o, a, t in zip(self._joint_obs, one_won, one_tried)]
-
-    def _tree_cost_model(self, bs: int, rows: list[int]) -> TreeCost | None:
-        if self.tree_rule == "fixed":
-            return None
-        c = self._cost(bs)
-        if self._tree_cost is None:  # a first-drafter branch costs its verify token only; a joint one was drafted already
-            self._tree_cost = (0.0, 0.0) if self.branch_drafter in ("first", "joint") else self._profile_recovery()
-        per_branch, branch_fixed = self._tree_cost
-        # the chain's drafting is paid already; undrafted rows verify their bonus token
-        fixed = c.fixed + c.draft_fixed + c.per_draft * len(rows) + c.per_token * (bs - len(rows))
-        return TreeCost(fixed=fixed, per_token=c.per_token, per_branch=per_branch, branch_fixed=branch_fixed)
-
-    # -- calibration of the chain's confidence ---------------------------------------------
-    _BINS = 10
-
-    def _calibrated(self, conf: torch.Tensor) -> torch.Tensor:
-        """The chain's survival per slot, read from its confidence through the acceptance
-        actually seen at that confidence (binned, shrunk to the raw value with 4 slots' weight)."""
-        if self.tree_rule == "fixed":
-            return conf
-        tested, won = self._calib
-        b = (conf * self._BINS).long().clamp(max=self._BINS - 1)
-        return (won.to(conf.device)[b] + 4 * conf) / (tested.to(conf.device)[b] + 4)
-
-    def _observe_chain(self, results: list[PathResult]) -> None:
-        """Chain slots verified (reached with every earlier chain slot accepted) and accepted."""
-        tested, won = self._calib
-        tested.mul_(0.995)
-        won.mul_(0.995)
-        parts, accepted = [], []  # each row's tested slots' confidences; whether each was accepted
-        for i, r in enumerate(results):
-            raw = self._raw_conf.get(i)
-            if raw is None or raw.numel() == 0:
-                continue
-            on_chain = next((k for k, n in enumerate(r.path) if n != k), len(r.path)) - 1  # accepted chain slots
-            upto = min(on_chain + 1, raw.numel())
-            parts.append(raw[:upto])
-            accepted += [k < on_chain for k in range(upto)]
-        if not parts:
-            return
-        # one device read for the batch (a read per row was a host sync per row on a GPU)
-        b = (torch.cat(parts).float().cpu() * self._BINS).long().clamp(max=self._BINS - 1)
-        tested.index_add_(0, b, torch.ones(len(b)))
-        hit = b[torch.tensor(accepted, dtype=torch.bool)]
-        won.index_add_(0, hit, torch.ones(len(hit)))
-
-    def _profile_recovery(self, repeats: int = 2) -> tuple[float, float]:
-        """Seconds of the recovery drafter's forward and LM head: a fixed part and a part per branch."""
-        times, wide = [], min(8, self.max_batch_size)
-        for m in (1, wide):
-            ids = torch.full((m, self.block_size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-            zero = torch.zeros(m, dtype=torch.long, device=self.device)
-            read = torch.arange(1, 1 + self.branch_len, device=self.device).clamp(max=self.block_size - 1)
-            read = read[None].expand(m, -1)
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = synced_time(self.device)
-                self.recovery.logits(self.proposer.propose_branches(ids, zero + 1, zero, read))
-                best = min(best, synced_time(self.device) - t0)
-            times.append(best)
-        per = max((times[1] - times[0]) / max(wide - 1, 1), 0.0)
-        return per, max(times[0] - per, 0.0)

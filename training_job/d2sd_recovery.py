@@ -6,7 +6,7 @@
 The recovery drafter has the first drafter's architecture and starts from its weights (`--init`:
 a DFlash checkpoint directory, or a `drafter_ckpt.pt` of training_job.dflash_offline; the length
 head is dropped: a branch's length is planned, not read from a head). It is trained on the
-data the first drafter was (the target's regenerated responses, training_job.dflash_offline.regenerate)
+data the first drafter was (the target's regenerated responses, training_job.drafter_data.regenerate)
 with one change to the block: at a random anchor a and a random prefix length p in [0, B-2],
 block slots 0..p hold the true tokens at a..a+p and slots p+1..B-1 mask tokens; slot k > p is
 labelled with the token at a+k, weighted exp(-(k-p-1)/gamma) (the first unknown slot weighs 1,
@@ -51,6 +51,7 @@ from sglang_adaflash.assets import chat_format as cf
 from sglang_adaflash.d2sd.shared_context import SHARING, tie_modules
 
 from . import dflash_offline as dfo
+from .block_losses import IGNORE
 from .data.common import atomic_write_text, read_jsonl
 
 
@@ -106,7 +107,7 @@ def _first_drafter_blocks(first, feats, ids, lens, anchors, block_size: int, mas
     with torch.no_grad():
         logits = first.logits(dfo.drafter_forward(first, feats, blocks))
     chain = logits.argmax(-1)
-    wrong = (chain != blocks.labels) & (blocks.labels != dfo.IGNORE)
+    wrong = (chain != blocks.labels) & (blocks.labels != IGNORE)
     wrong[:, 0] = False
     k = torch.arange(block_size)[None].expand_as(wrong)
     fail = torch.where(wrong, k, block_size).min(1).values
@@ -162,7 +163,7 @@ def make_prefix_blocks(ids, lens, anchors, prefixes, block_size: int, mask_token
     for n, (i, p) in enumerate(zip(blocks.seq_indices.tolist(), flat)):
         a = int(blocks.positions[n, 0])
         blocks.input_ids[n, 1 : p + 1] = ids[i, a + 1 : a + p + 1]
-        blocks.labels[n, : p + 1] = dfo.IGNORE
+        blocks.labels[n, : p + 1] = IGNORE
     return blocks
 
 
@@ -176,7 +177,7 @@ def prefix_weights(prefixes: torch.Tensor, block_size: int, gamma: float) -> tor
 def weighted_ce_rows(logits, labels, weights) -> torch.Tensor:
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
                                            reduction="none").view(labels.shape)
-    w = weights * (labels != dfo.IGNORE)
+    w = weights * (labels != IGNORE)
     ce = torch.where(w > 0, ce, torch.zeros(()))  # an excluded right token is inf where w is 0
     return (ce * w).sum() / w.sum().clamp(min=1e-8)
 
@@ -185,7 +186,7 @@ def continuation_accepts(proposals, labels, prefixes) -> torch.Tensor:
     """Leading correct proposals after each block's prefix: [N]."""
     b = labels.shape[1]
     k = torch.arange(b)[None]
-    ok = (proposals == labels) & (labels != dfo.IGNORE)
+    ok = (proposals == labels) & (labels != IGNORE)
     ok = ok | (k <= prefixes[:, None])  # the known slots do not count as failures
     run = ok.long().cumprod(1).sum(1)
     return run - (prefixes + 1)
@@ -257,7 +258,7 @@ def evaluate(target, drafter, seqs, layer_ids, block_size, mask_id, pad_id, seed
             hit1 += (ranked[:, 0] == label).tolist()
             hitw += (ranked == label[:, None]).any(1).tolist()
         ok = rec_logits.argmax(-1) == fb.labels
-        run = torch.where(torch.arange(block_size)[None] > r[:, None], ok & (fb.labels != dfo.IGNORE), True)
+        run = torch.where(torch.arange(block_size)[None] > r[:, None], ok & (fb.labels != IGNORE), True)
         right = torch.tensor(rec1[-len(r):], dtype=torch.bool)
         cont += (run.long().cumprod(1).sum(1) - (r + 1))[right].tolist()
         cont_slot += r[right].tolist()

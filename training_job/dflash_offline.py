@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -33,9 +32,17 @@ import torch.nn.functional as F
 from sglang_adaflash.assets import chat_format as cf
 from sglang_adaflash.fsio import atomic_path
 
-from .data.common import atomic_write_text, read_jsonl
-
-IGNORE = -100
+from .block_losses import (
+    Blocks,
+    accept_lengths,
+    distill_kl,
+    loss_slots,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+    weighted_ce,
+)
+from .data.common import atomic_write_text
 
 
 @dataclass
@@ -128,209 +135,6 @@ class DrafterTrainConfig:
 
 
 @torch.no_grad()
-def regenerate(target, tokenizer, records: list[dict], out_path: Path, max_new_tokens: int,
-               batch_size: int, progress: bool = True) -> list[dict]:
-    """Greedy target responses for ``records``; appends to ``out_path`` and resumes from it.
-
-    Each line: ``id``, ``domain``, ``prompt_ids``, ``output_ids`` (up to and including the stop
-    token, if the target stopped), like the traffic record format.
-    """
-    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
-    items = [(r["id"], r["domain"], tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)
-              ["input_ids"]) for r in records]
-    return generate_greedy(target, items, out_path, max_new_tokens, stop_ids, batch_size, progress)
-
-
-def continuation_contexts(tokenizer, records: list[dict], max_context: int = 400,
-                          pass_: int = 0) -> list[tuple]:
-    """``(id, domain, context ids)`` per record: its prompt and its reference response cut at a
-    point drawn from the record's id and ``pass_`` (so a rebuild cuts the same place, and each
-    pass somewhere else), the last ``max_context`` tokens of that. The target continues these
-    greedily: data from the middle of responses and from longer contexts than a prompt alone
-    gives (acceptance falls with context length: benchmarks/adaptive/context/)."""
-    out = []
-    for r in records:
-        prompt = tokenizer(cf.render_prompt(r["prompt"]), add_special_tokens=False)["input_ids"]
-        resp = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
-        if len(resp) < 16:
-            continue
-        tag = "" if pass_ == 0 else str(pass_)  # pass 0 keeps the first recipe's ids and cuts
-        cut = random.Random(f"{r['id']}-cut{tag}").randint(8, len(resp) - 4)
-        out.append((f"{r['id']}#cont{tag}", r["domain"], (prompt + resp[:cut])[-max_context:]))
-    return out
-
-
-@torch.no_grad()
-def generate_greedy(target, items: list[tuple], out_path: Path, max_new_tokens: int, stop_ids,
-                    batch_size: int, progress: bool = True) -> list[dict]:
-    """The target's greedy continuation of each ``(id, domain, prompt ids)``, with the reference
-    engine in mode ``ar`` (continuous batching: 5-10x HF ``generate`` with left padding here,
-    and token for token the same output, tests/engine/test_lossless_greedy.py). Appends one
-    line per item to ``out_path`` (fsynced per batch) and resumes from what is there."""
-    from tqdm.auto import tqdm
-
-    from sglang_adaflash.core.sampling import SamplingParams
-    from sglang_adaflash.engine.engine import SpecEngine
-    from sglang_adaflash.engine.request import Request
-    from sglang_adaflash.target.hf_target import HFTarget
-
-    out_path = Path(out_path)
-    done = {}
-    if out_path.exists():
-        for r in _read_tolerant(out_path):
-            done[r["id"]] = r
-    limit = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
-    new_tokens = max(1, min(max_new_tokens, limit - 1))
-    # a context longer than the target's window keeps its last tokens (the shipped target's
-    # prompts all fit: at most 356 of its 512 positions)
-    todo = [(i, d, list(p)[-(limit - new_tokens):]) for i, d, p in items if i not in done]
-    engine = SpecEngine(HFTarget(target), None, mode="ar", max_batch_size=max(1, batch_size),
-                        max_seq_len=max((len(p) for _, _, p in todo), default=1) + new_tokens)
-    stops = tuple(sorted(stop_ids))
-    bar = tqdm(total=len(todo), desc="regenerate", disable=not progress, dynamic_ncols=True)
-    chunk = 4 * max(1, batch_size)  # a write and fsync per chunk; the engine refills its slots
-    with open(out_path, "a", encoding="utf-8") as f:
-        for i in range(0, len(todo), chunk):
-            part = todo[i:i + chunk]
-            reqs = [Request(p, SamplingParams(max_new_tokens=new_tokens, stop_token_ids=stops))
-                    for _, _, p in part]
-            for (rid, domain, p), o in zip(part, engine.run(reqs)):
-                rec = {"id": rid, "domain": domain, "prompt_ids": p, "output_ids": o.output_ids}
-                done[rid] = rec
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(part))
-    bar.close()
-    return [done[it[0]] for it in items]
-
-
-def _read_tolerant(path: Path):
-    """JSONL records, skipping a torn last line (a killed run)."""
-    try:
-        yield from read_jsonl(path)
-    except json.JSONDecodeError:
-        good = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    good.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-        yield from good
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Blocks and the drafter loss (pure functions; tests call them directly)
-
-
-def sample_anchors(prompt_len: int, seq_len: int, num: int, rng: random.Random) -> list[int]:
-    """Distinct anchors among response positions that leave at least one label after them."""
-    lo, hi = max(prompt_len, 1), seq_len - 2  # anchor + 1 <= seq_len - 1
-    if hi < lo:
-        return []
-    cand = list(range(lo, hi + 1))
-    return sorted(rng.sample(cand, min(num, len(cand))))
-
-
-@dataclass
-class Blocks:
-    """Training blocks of one batch; N blocks, block size B, context length C (padded)."""
-
-    # [N] which sequence of the batch each block belongs to
-    seq_indices: torch.Tensor
-    # [N, B] anchor token then mask tokens
-    input_ids: torch.Tensor
-    # [N, B] absolute positions anchor..anchor+B-1
-    positions: torch.Tensor
-    # [N, B] token at anchor+k for slot k >= 1; IGNORE for slot 0 and past the sequence
-    labels: torch.Tensor
-    # [N, 1, B, C+B] True = may attend: context keys < anchor, all keys of its own block
-    mask: torch.Tensor
-
-
-def make_blocks(ids: torch.Tensor, lens: list[int], anchors: list[list[int]], block_size: int,
-                mask_token_id: int) -> Blocks:
-    """ids [bs, C] (padded), lens [bs], anchors per sequence -> :class:`Blocks`."""
-    c = ids.shape[1]
-    seq_idx, inp, pos, lab, ctx_ok = [], [], [], [], []
-    key_pos = torch.arange(c)
-    ks = torch.arange(block_size)
-    for i, (n, anchor_list) in enumerate(zip(lens, anchors)):
-        for a in anchor_list:
-            seq_idx.append(i)
-            row = torch.full((block_size,), mask_token_id, dtype=torch.long)
-            row[0] = ids[i, a]
-            inp.append(row)
-            pos.append(a + ks)
-            tgt = torch.full((block_size,), IGNORE, dtype=torch.long)
-            upto = min(block_size, n - a)
-            tgt[1:upto] = ids[i, a + 1:a + upto]
-            lab.append(tgt)
-            ctx_ok.append(key_pos < a)
-    n_blocks = len(seq_idx)
-    ctx = torch.stack(ctx_ok) if n_blocks else torch.zeros(0, c, dtype=torch.bool)
-    own = torch.ones(n_blocks, block_size, dtype=torch.bool)
-    mask = torch.cat([ctx[:, None, :].expand(-1, block_size, -1),
-                      own[:, None, :].expand(-1, block_size, -1)], dim=-1)[:, None]
-    return Blocks(torch.tensor(seq_idx, dtype=torch.long), torch.stack(inp), torch.stack(pos),
-                  torch.stack(lab), mask)
-
-
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """[B] slot weights: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
-
-
-def loss_slots(block_size: int, gamma: float, floor: float = 0.01) -> int:
-    """Leading block slots (slot 0 included) whose weight exp(-(k-1)/gamma) is at least
-    ``floor``: the drafter's last layer, the LM head and the loss run on these alone in training
-    (every slot still gives keys and values, so their states are exactly the whole block's).
-    Gamma 7 keeps all 16 slots of a block; gamma 2 keeps 11, and the 5 it drops weighed 1.4%
-    of a block, for a third of the LM head's work."""
-    w = position_weights(block_size, gamma)
-    return max(2, min(block_size, int((w[1:] >= floor).sum()) + 1))
-
-
-def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [N, B, V], labels [N, B], weights [B] -> weighted mean CE over valid slots."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0),
-                         reduction="none").view(labels.shape)
-    w = weights[None, :] * (labels != IGNORE)
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
-
-
-def distill_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-               weights: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Weighted mean over valid slots of KL(p_teacher || p_drafter) at ``temperature`` (times
-    T^2, so the gradient's scale does not shrink with T).
-
-    logits, teacher_logits [N, B, V] (slot k's teacher is the target's distribution at the
-    position before slot k's label); labels [N, B] mark the valid slots; weights [B].
-    The teacher is detached. At T=0 on regenerated data the hard label is the teacher's argmax,
-    so this gives the drafter the rest of the target's distribution: which near misses are near.
-    """
-    t = float(temperature)
-    log_q = F.log_softmax(logits.float() / t, dim=-1)
-    log_p = F.log_softmax(teacher_logits.detach().float() / t, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1) * (t * t)  # [N, B]
-    w = weights[None, :] * (labels != IGNORE)
-    return (kl * w).sum() / w.sum().clamp(min=1e-8)
-
-
-def accept_lengths(proposals: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Leading proposals (slots 1..B-1) equal to the labels. [N, B] x2 -> [N] long."""
-    ok = (proposals[:, 1:] == labels[:, 1:]) & (labels[:, 1:] != IGNORE)
-    return ok.long().cumprod(dim=1).sum(dim=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The forward over one batch
-
-
 def build_drafter(target_config, cfg: DrafterTrainConfig, mask_token_id: int):
     from sglang_adaflash.drafter.config import DrafterConfig
     from sglang_adaflash.drafter.model import DFlashDrafter

@@ -120,7 +120,7 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
     responses from a seeded cut, when cfg.continuation_new_tokens > 0) and are measured on
     (work/regen.heldout.jsonl); later continuation passes cut elsewhere (regen.cont<k>.jsonl);
     resumes from what is there."""
-    from . import dflash_offline as dfo
+    from . import drafter_data
 
     work.mkdir(parents=True, exist_ok=True)
     train_recs = []
@@ -128,23 +128,23 @@ def regenerate_responses(work: Path, data_dir: Path, target, tokenizer, cfg: Dra
         recs = load_split(data_dir, d, "train")
         random.Random(cfg.seed).shuffle(recs)
         train_recs += recs[:cfg.max_prompts_per_domain]
-    seqs = dfo.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
+    seqs = drafter_data.regenerate(target, tokenizer, train_recs, work / "regen.train.jsonl",
                           cfg.max_new_tokens, cfg.gen_batch_size, progress)
     if cfg.continuation_new_tokens > 0:
         stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in cf.STOP_TOKENS}
         for k in range(cfg.continuation_passes):
             name = "regen.cont.jsonl" if k == 0 else f"regen.cont{k}.jsonl"
-            seqs += dfo.generate_greedy(target, dfo.continuation_contexts(tokenizer, train_recs, pass_=k),
+            seqs += drafter_data.generate_greedy(target, drafter_data.continuation_contexts(tokenizer, train_recs, pass_=k),
                                         work / name, cfg.continuation_new_tokens, stop_ids,
                                         cfg.gen_batch_size, progress)
     if cfg.code_problems > 0 and "code" in cfg.domains:
         from .data.code_problems import build_problems
 
         problems = build_problems(cfg.code_problems, seed=PROBLEMS_SEED)
-        seqs += cfg.problems_repeat * dfo.regenerate(target, tokenizer, problems, work / "regen.problems.jsonl",
+        seqs += cfg.problems_repeat * drafter_data.regenerate(target, tokenizer, problems, work / "regen.problems.jsonl",
                                                      cfg.max_new_tokens, cfg.gen_batch_size, progress)
     eval_recs = [r for d in DOMAINS for r in load_split(data_dir, d, "heldout")[:EVAL_PROMPTS]]
-    eval_seqs = dfo.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
+    eval_seqs = drafter_data.regenerate(target, tokenizer, eval_recs, work / "regen.heldout.jsonl",
                                cfg.max_new_tokens, cfg.gen_batch_size, progress)
     return seqs, eval_seqs
 

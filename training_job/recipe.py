@@ -190,9 +190,9 @@ def regenerate(target, prompts: list[dict], work: Path, *, rank: int, world: int
                max_new_tokens: int, batch_size: int, stop_ids, progress: bool = False) -> None:
     """Greedy answers of this rank's share of ``prompts`` (every ``world``-th), appended to its
     shard as they come; prompts answered already (by any rank) are skipped. The offline
-    recipe's regeneration (:func:`training_job.dflash_offline.generate_greedy`: the reference
+    recipe's regeneration (:func:`training_job.drafter_data.generate_greedy`: the reference
     engine in mode ``ar``, continuous batching, on the target's device)."""
-    from training_job.dflash_offline import generate_greedy
+    from training_job.drafter_data import generate_greedy
 
     done = read_regenerated(work)
     mine = [(p["id"], p["domain"], p["prompt_ids"]) for i, p in enumerate(prompts)

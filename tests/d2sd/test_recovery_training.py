@@ -8,7 +8,8 @@ import random
 import torch
 
 from training_job import d2sd_recovery as rec
-from training_job.dflash_offline import IGNORE, DrafterTrainConfig, build_drafter, drafter_forward
+from training_job.block_losses import IGNORE
+from training_job.dflash_offline import DrafterTrainConfig, build_drafter, drafter_forward
 
 MASK = 3
 

@@ -5,17 +5,15 @@ import random
 
 import torch
 
-from training_job.dflash_offline import (
+from training_job.block_losses import (
     IGNORE,
-    DrafterTrainConfig,
     accept_lengths,
-    build_drafter,
-    drafter_forward,
     make_blocks,
     position_weights,
     sample_anchors,
     weighted_ce,
 )
+from training_job.dflash_offline import DrafterTrainConfig, build_drafter, drafter_forward
 
 MASK = 3
 
@@ -248,7 +246,7 @@ def test_a_wider_drafter_starts_as_the_function_it_grew_from_and_its_new_units_l
 
 
 def test_the_refined_recipe_starts_from_its_base_and_cuts_its_continuations_elsewhere(tmp_path):
-    from training_job.dflash_offline import continuation_contexts
+    from training_job.drafter_data import continuation_contexts
 
     base = DrafterTrainConfig()
     r = base.refined(tmp_path / "drafter")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from training_job.dflash_offline import IGNORE, position_weights, weighted_ce
+from training_job.block_losses import IGNORE, position_weights, weighted_ce
 from training_job.opd.loss import (
     NORM_EPS,
     denominators,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training_job.dflash_offline import IGNORE
+from training_job.block_losses import IGNORE
 
 #: The reference's N is the decayed-weight sum plus this (an empty batch divides by it).
 NORM_EPS = 1e-6

@@ -303,7 +303,7 @@ def test_target_worker_property_only_proxies_inside_a_compact_step():
     w = make_worker("compact")
     assert w.target_worker is w._target_worker
     w._ada_step = wmod._Step(make_batch(), True, None)
-    assert isinstance(w.target_worker, wmod._CompactVerifyTarget)
+    assert isinstance(w.target_worker, wmod.CompactVerifyTarget)
     # DFlash's full-width verify preparation sees no graph and plans no attention metadata
     runner = w.target_worker.model_runner
     assert runner.decode_cuda_graph_runner is None

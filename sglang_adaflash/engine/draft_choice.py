@@ -169,8 +169,8 @@ class DraftChoice:
         While the posterior gains no evidence (nobody drafted since), the best evidence it
         holds can only fade, so the answer is kept MAX_PROBE_GAP times as long, rechecked then
         for the cost model's drift: at math c=1, where nothing drafts, the recomputation every
-        16 steps took 20 us a step on average (0.3 ms each, timed in place, between the
-        target's forwards)."""
+        16 steps took 20 us a step on average (0.32 ms each, timed in place, between the
+        target's forwards: benchmarks/adaptive/host_parts/)."""
         post = self.posterior
         memo = self._could_pay_memo
         if memo is None or memo[0] != (bs, id(post)) or memo[2] >= self._could_pay_life(memo, post):
@@ -211,11 +211,9 @@ class DraftChoice:
     def perfect_could_pay(self, bs: int, cost: StepCostModel) -> bool:
         """Whether drafting could pay at this batch size for rows whose every proposal is
         accepted. Where not even that pays, the step's price alone rules drafting out, whatever
-        the drafter: no first read (first_reads) can change the plan. At in-domain c=32 on the
-        embedded pair, priced as the engine had fitted it after one run (a plain step 12 ms, a
-        drafted row 3 ms more, each verified token 0.3 ms), whole accepted blocks give 1.8
-        tokens a millisecond against a plain step's 2.6; yet every timed run there, starting
-        with a cold posterior, drafted eight rows at once for their first reads."""
+        the drafter: no first read (first_reads) can change the plan. It is only as good as the
+        prices: where the fit has seen only a few forced rows drafted at once it may still let
+        whole blocks pay (benchmarks/adaptive/first_reads.py measures what a cell does)."""
         return self._pays_with(np.ones(self.block_size - 1, dtype=np.float32), bs, cost)
 
     def _pays_with(self, profile: np.ndarray, bs: int, cost: StepCostModel) -> bool:

@@ -300,8 +300,9 @@ class SurvivalPosterior:
         if not drafted:
             # Most steps of a batch that drafts nobody: the fade is counted here and folded in
             # when the counts are next read (the counts property), so a run of plain steps pays
-            # one multiply, not one a step (29 us of a 5.6 ms step at math c=1, timed in place
-            # between the target's forwards, where even a small numpy call meets cold caches).
+            # one multiply, not one a step (53 us a step at math c=1, timed in place between the
+            # target's forwards, where even a small numpy call meets cold caches:
+            # benchmarks/adaptive/host_parts/).
             if self._idle_steps and n != self._idle_rows:
                 self._fold_idle()
             self._idle_steps, self._idle_rows = self._idle_steps + 1, n

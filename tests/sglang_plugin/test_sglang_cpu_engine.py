@@ -29,13 +29,13 @@ B = 16  # the embedded drafter's block size
 #: leads to each (the innermost plugin frame on the stack at launch).
 EXPECTED_KERNELS = {
     "sglang.kernels.ops.speculative.dspark.dspark_verify_window._compact_row_index_kernel":
-        "worker.AdaFlashWorkerV2._compact_verify",
+        "compact_verify.CompactVerify._compact_verify",
     "sglang.kernels.ops.speculative.dspark.dspark_verify_window._ragged_finalize_kernel":
-        "worker.AdaFlashWorkerV2._compact_verify",
+        "compact_verify.CompactVerify._compact_verify",
     "sglang.kernels.ops.speculative.dspark.dspark_verify_window._compact_verify_ids_gather_kernel":
-        "worker.AdaFlashWorkerV2._compact_verify",
+        "compact_verify.CompactVerify._compact_verify",
     "sglang.kernels.ops.speculative.cache_locs.assign_extend_cache_locs":
-        "worker.AdaFlashWorkerV2._compact_verify",
+        "compact_verify.CompactVerify._compact_verify",
     "sglang.kernels.ops.speculative.dspark.dspark_verify_window._scatter_compact_to_strided_kernel":
         "length_budget.scatter_to_strided",
     "sglang.kernels.ops.speculative.dflash._dflash_accept_bonus_contig_kernel":

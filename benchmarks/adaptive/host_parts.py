@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 sys.path.insert(0, str(ROOT / "benchmarks" / "adaptive"))
 
+from phase_times import timed_method  # noqa: E402
 from run import cell_engine, cell_requests, one_cell  # noqa: E402
 
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
@@ -48,17 +49,8 @@ PARTS = [
 
 
 def _wrap(owner, name: str, label: str, seconds: collections.Counter, calls: collections.Counter) -> None:
-    inner = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            seconds[label] += time.perf_counter() - t0
-            calls[label] += 1
-
-    setattr(owner, name, timed)
+    """Replace owner.name (a class's method, or an instance's) by phase_times' timed wrapper."""
+    setattr(owner, name, timed_method(getattr(owner, name), label, seconds, calls))
 
 
 def main(argv=None) -> int:

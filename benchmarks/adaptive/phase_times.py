@@ -27,7 +27,7 @@ PHASES = ("_prefill", "_decode_step", "_choose_drafted", "_draft", "_catch_up", 
           "_update_context", "_commit", "_retire")
 
 
-def _timed(method, name: str, seconds: dict, calls: collections.Counter):
+def timed_method(method, name: str, seconds: dict, calls: collections.Counter):
     """method, wrapped to add its wall time and one call under name."""
 
     def timed(*args, **kwargs):
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         seconds, calls = collections.defaultdict(float), collections.Counter()
         for name in PHASES:
             if hasattr(eng, name):
-                setattr(eng, name, _timed(getattr(eng, name), name, seconds, calls))
+                setattr(eng, name, timed_method(getattr(eng, name), name, seconds, calls))
         # inside _choose_drafted and the step's accounting: the draft-or-not choice and the cost fits
         parts = [(eng.choice, "choice", CHOICE_PARTS)] if mode == "adaflash" else []
         if getattr(eng, "_online_cost", None) is not None:  # made by the warm-up's first decode step
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                       (fits._draft, "cost.draft_fit", ("solve",))]
         for owner, prefix, names in parts:
             for name in names:
-                setattr(owner, name, _timed(getattr(owner, name), f"{prefix}.{name}", seconds, calls))
+                setattr(owner, name, timed_method(getattr(owner, name), f"{prefix}.{name}", seconds, calls))
         t0 = time.perf_counter()
         outs = eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids)))
         total = time.perf_counter() - t0

@@ -35,12 +35,15 @@ def test_kubectl_get_afs_shows_the_ready_condition(chart, api: Api, namespace: s
     cols = _columns(out)
     assert cols["READY"] == "True" and cols["PODS"] == "1" and cols["REASON"] == "AllPodsReady"
     assert cols["SERVING"] == "v000001" and cols["CANDIDATE"] == "", out
-    # Pods no node can take (kwok would start any pod that fits): Ready stays False.
-    api.patch(c.SERVICE_KIND, ns, "qwen", {"spec": {"replicas": 3, "serving": {
-        "resources": {"requests": {"cpu": "1000"}}}}})
-    wait_for("Ready False", lambda: condition(api, ns, "Ready").get("status") == "False",
+    # Pods no node can take (kwok would start any pod that fits): Ready stays False. A second
+    # service asks for them from its start: patching this one's template and replicas together
+    # raced the Deployment controller, which may first scale the old ReplicaSet (whose pods fit)
+    # to the new count, and then every pod is ready and Ready is rightly True.
+    api.create(afs(ns, name="nofit", replicas=3,
+                   serving={"resources": {"requests": {"cpu": "1000"}}}))
+    wait_for("Ready False", lambda: condition(api, ns, "Ready", "nofit").get("status") == "False",
              timeout=30)
-    cols = _columns(_kubectl(control_plane, "-n", ns, "get", "afs", "-o", "wide").stdout)
+    cols = _columns(_kubectl(control_plane, "-n", ns, "get", "afs", "nofit", "-o", "wide").stdout)
     assert (cols["READY"], cols["REASON"], cols["REPLICAS"]) == ("False", "PodsNotReady", "3")
 
 

@@ -71,7 +71,8 @@ def one_cell(workload: str, concurrency: int, threads: int = 1):
 
 def cell_engine(pair, mode: str, concurrency: int, prompts, n: int, max_seq: int):
     """One mode's engine for a one_cell cell, as this file's timed runs meet it: after the
-    two-request warm-up (allocator, adaflash's cost profile) and with a cold calibration state."""
+    two-request warm-up (allocator, adaflash's cost profile) and with a cold calibration state
+    (no evidence beyond the drafter's own eval, which fresh() keeps: planner.prior)."""
     eng = make_engine(pair, mode, concurrency, max_seq, 0, num_requests=n)
     eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids))[:2])
     if eng.posterior is not None:
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
             def timed(e, requests=requests, shares=shares):
                 """One run: (wall tok/s, CPU tok/s, output ids, outputs)."""
                 e.stats = EngineStats()
-                if e.posterior is not None:  # cold calibration: no history carried over
+                if e.posterior is not None:  # cold calibration: no history carried over (the
+                    # drafter's manifest eval stays, as in a server just started: planner.prior)
                     e.posterior = e.posterior.fresh()
                 t0, c0 = time.perf_counter(), time.process_time()
                 outs = e.run(requests())

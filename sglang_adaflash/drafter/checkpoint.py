@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ..fsio import fsync_dir
 from .config import ConfigError, DrafterConfig
-from .manifest import MANIFEST_NAME, ManifestError, verify_manifest_files
+from .manifest import MANIFEST_NAME, ManifestError, read_manifest, verify_manifest_files
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -185,7 +185,13 @@ def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None, d
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.load_state_dict(state, assign=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if (Path(path) / MANIFEST_NAME).exists():
+        try:
+            model.manifest = read_manifest(path)
+        except ManifestError:  # verify_manifest=False: an unreadable manifest is no eval, not an error
+            model.manifest = None
+    return model
 
 
 def save_drafter(path: str | os.PathLike, model, **kwargs) -> Path:

@@ -93,6 +93,9 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
+        # the version's manifest.json when it was loaded from a published directory
+        # (checkpoint.load_drafter, a hot reload): its eval seeds the calibration (planner.prior)
+        self.manifest: dict | None = None
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)

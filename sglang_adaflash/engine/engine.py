@@ -24,6 +24,7 @@ from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
 from ..planner.confidence import ConfidenceCalibration
 from ..planner.cost import OnlineCostModel, StepCostModel
+from ..planner.prior import acceptance_prior
 from ..target.hf_target import HFTarget, TargetBatch, pad_packed
 from .admission import admit_waiting
 from .context_backlog import ContextBacklog
@@ -130,6 +131,8 @@ class SpecEngine(ContextBacklog, DraftedRows):
         adaptive = mode == "adaflash" and length_rule == "load_aware"
         posterior = (SurvivalPosterior(max_batch_size, device=self.device, max_block=self.block_size,
                                        idle_decay=idle_decay) if adaptive and calibrate else None)
+        if posterior is not None and drafter is not None:  # what the version says it accepts (planner.prior)
+            posterior.set_prior(acceptance_prior(drafter.manifest, self.block_size))
         self._draft_off = adaptive and draft_off and posterior is not None
         # plan from history before drafting (needs the draft-off choice, which makes that plan)
         self._plan_first = self._draft_off and lengths_from == "history"
@@ -240,16 +243,20 @@ class SpecEngine(ContextBacklog, DraftedRows):
                              "SurvivalPosterior to reset calibration, not None")
         self.choice.posterior = posterior
 
-    def drafter_swapped(self) -> None:
-        """A new drafter version serves from the next step on (hot reload, between steps).
+    def drafter_swapped(self, manifest: dict | None = None) -> None:
+        """A new drafter version serves from the next step on (hot reload, between steps);
+        `manifest`: its manifest.json, when the reloader read one.
 
         The calibration's evidence was about the old version: a domain it failed on would stay
         switched off, read only by probes, however much better the new one is there (the demo's
-        math after a round). So every request and domain starts cold again: first reads, then
-        the new version's own evidence. Requests in flight keep their drafter context (computed
-        by the old version; their proposals may suffer, never their output)."""
+        math after a round). So every request and domain starts again from what the new version
+        says of itself (its manifest's eval, planner.prior; cold, with first reads, for domains
+        it does not name), then its own evidence. Requests in flight keep their drafter context
+        (computed by the old version; their proposals may suffer, never their output)."""
+        if self.drafter is not None:
+            self.drafter.manifest = manifest
         if self.posterior is not None:
-            self.posterior.forget()
+            self.posterior.forget(acceptance_prior(manifest, self.block_size))
         self.choice.replan()
         if self.confidence is not None:
             self.confidence.reset()

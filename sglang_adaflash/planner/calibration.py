@@ -82,6 +82,7 @@ class SurvivalPosterior:
         self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
         self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
+        self.prior: dict[str, float] = {}  # domain -> survival rate the drafter's eval gave (set_prior)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -100,12 +101,35 @@ class SurvivalPosterior:
             self._counts[:n] *= float(keep)
 
     def fresh(self) -> SurvivalPosterior:
-        """A posterior with the same settings and no evidence (a benchmark's cold start)."""
-        return SurvivalPosterior(
+        """A posterior with the same settings, its drafter's prior and no evidence beyond it (a
+        benchmark's cold start: the prior is what the drafter version says of itself, not
+        history the engine gathered)."""
+        out = SurvivalPosterior(
             self.counts.shape[0], device=self.counts.device, decay=self.decay, domain_decay=self.domain_decay,
             head_weight=self.head_weight, domain_weight=self.domain_weight,
             max_domains=self.domain_counts.shape[0], max_block=self.slot_counts.shape[1],
             profile_weight=self.profile_weight, profile_decay=self.profile_decay, idle_decay=self.idle_decay)
+        out.set_prior(self.prior)
+        return out
+
+    def set_prior(self, rates: dict[str, float]) -> None:
+        """Start each named domain from `domain_weight` pseudo-trials at its survival rate
+        (planner.prior: the drafter version's own eval), on top of whatever evidence the domain
+        holds; replaces the prior kept for :meth:`fresh` and :meth:`forget`. The head's summed
+        survival is set to the same rate, so the prior moves the estimate a plan reads before
+        drafting (:meth:`estimate`) and leaves the head's own reading of a drafted block as it is
+        (:meth:`calibrate`'s offset is unchanged by it)."""
+        self.prior = {d: float(a) for d, a in rates.items()}
+        if not self.prior:
+            return
+        self.evidence += 1
+        k = float(self.domain_weight)
+        for domain, a in self.prior.items():
+            i = self.domain_id(domain)
+            if i == 0 and domain is not None:
+                continue  # beyond max_domains: the shared unknown pool takes no domain's prior
+            a = min(max(a, 0.0), 1.0 - _EPS)
+            self.domain_counts[i] += torch.tensor([a * k, (1.0 - a) * k, a * k], device=self.domain_counts.device)
 
     def domain_id(self, domain: str | None) -> int:
         """A stable small id per domain name; beyond max_domains names share the unknown pool."""
@@ -120,13 +144,16 @@ class SurvivalPosterior:
         ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
         self.slot_domain[slots] = ids.to(self.slot_domain.device)
 
-    def forget(self) -> None:
+    def forget(self, prior: dict[str, float] | None = None) -> None:
         """Drop every request's and domain's evidence (a new drafter now serves: what the old
-        one's proposals did says little about the new one's). Slots keep their domains."""
+        one's proposals did says little about the new one's) and start from `prior`, the new
+        version's own eval (planner.prior; None or {}: no prior, every domain cold). Slots keep
+        their domains."""
         self.evidence += 1
         self.counts.zero_()
         self.domain_counts.zero_()
         self.slot_counts.zero_()
+        self.set_prior(prior or {})
 
     def move(self, src: int, dst: int) -> None:
         self.counts[dst] = self.counts[src]

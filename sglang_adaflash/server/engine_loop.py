@@ -212,7 +212,7 @@ class EngineLoop:
         if swapped is not None:
             forget = getattr(self.engine, "drafter_swapped", None)
             if forget is not None:  # the old version's acceptance history is not the new one's
-                forget()
+                forget(getattr(self.reloader, "loaded_manifest", None))
             pause = time.perf_counter() - t0
             self.version = swapped
             self.swaps.append((swapped, pause))

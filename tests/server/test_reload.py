@@ -231,12 +231,13 @@ def test_a_swap_makes_the_engine_forget_the_old_drafters_acceptance():
     from sglang_adaflash.server.engine_loop import EngineLoop
 
     calls = []
-    engine = SimpleNamespace(block_size=1, drafter_swapped=lambda: calls.append("forgot"))
+    engine = SimpleNamespace(block_size=1, drafter_swapped=lambda manifest: calls.append(manifest))
     versions = iter(["v000002", None])
+    manifest = {"eval": {"tau_by_domain": {"math": 3.0}}}  # the new version's (planner.prior)
     reloader = SimpleNamespace(status=SimpleNamespace(loaded_version="v000001"),
-                               at_step_boundary=lambda: next(versions))
+                               at_step_boundary=lambda: next(versions), loaded_manifest=manifest)
     loop = EngineLoop(engine, capacity=1, post=lambda fn: fn(), reloader=reloader)
     loop._boundary()
-    assert calls == ["forgot"] and loop.version == "v000002"
+    assert calls == [manifest] and loop.version == "v000002"
     loop._boundary()  # nothing swapped: nothing forgotten
-    assert calls == ["forgot"]
+    assert calls == [manifest]

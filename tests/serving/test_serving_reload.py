@@ -194,6 +194,8 @@ def test_reload_copies_in_place(served):
         assert tensor.data_ptr() == before[name][0], f"{name} was replaced, not copied into"
     _assert_weights(live, random_state(drafter_config(), 2))
     assert reloader.status.loaded_version == v2
+    # its manifest goes to the engine with the swap (its eval seeds the calibration: planner.prior)
+    assert reloader.loaded_manifest == json.loads((served["home"] / "drafters" / v2 / "manifest.json").read_text())
     assert sink.reloads == ["success"] and sink.versions[-1] == v2
     status = json.loads((served["tmp"] / "status.json").read_text())
     assert status["loaded_version"] == v2 and status["last_error"] is None

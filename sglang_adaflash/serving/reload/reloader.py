@@ -94,6 +94,7 @@ class HotReloader:
         self._reports = ReportQueue() if report_async and self.reporters else None
         self._steps = 0
         self._snapshot_buffers: SnapshotBuffers | None = None
+        self.loaded_manifest: dict[str, Any] | None = None  # the last version swapped in's manifest
         self._watcher = BackgroundLoop(self.poll_once, poll_interval_s, name="adaflash-reload")
         self._expected = target.expected()
         if loaded_version:
@@ -215,6 +216,7 @@ class HotReloader:
             self._fail("rolled_back", staged.version, "another tensor-parallel rank failed to copy")
             return None
         self.status.loaded_version, self.status.loaded_at = staged.version, time.time()
+        self.loaded_manifest = staged.manifest  # its eval seeds the engine's calibration (planner.prior)
         self.status.last_error = self.status.last_error_version = None
         self._count("success")
         self.sink.set_drafter_version(staged.version)

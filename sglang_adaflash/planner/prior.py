@@ -1,0 +1,56 @@
+"""What a drafter version says it accepts, per domain, as the calibration's starting point.
+
+Every published drafter version carries, in its manifest's ``eval.tau_by_domain``, the tau it
+measured on held-out prompts of each domain at a whole block (the offline recipe's teacher-forced
+blocks; a distillation round's decodes through the reference engine in mode dflash: the
+manifest's ``eval.method`` says which). Without it a new engine, or one that just swapped a
+version in, knows nothing of any domain: its first requests read the drafter once each (first
+reads) before the plan has anything to price them by, and where drafting cannot pay at the batch
+size those reads are pure cost (at mixed c=32 on the embedded pair they were most of what the
+engine drafted in a run that drafted nobody else).
+
+The eval becomes a prior: each domain it names starts with `weight` pseudo-trials at the survival
+rate whose expected tau over a whole block is the eval's tau (the geometric process the planner
+prices slots with, :func:`~sglang_adaflash.planner.lengths.survival_rate`). It is evidence like
+any other (SurvivalPosterior.set_prior): live verification outweighs it within a few drafted
+steps of the domain and the domain's decay fades it, so an eval that flatters the drafter (the
+teacher-forced tau of the shipped drafter reads 3.45 on code where live decoding reads 2.8)
+costs a few drafted steps, not a lock-in (the shipped drafter's teacher-forced eval reads 3.45 on
+code and 3.09 on prose, where live decoding of those prompts in mode dflash reads 2.80:
+benchmarks/adaptive/avx2/results_f47607e.json). Domains the eval does not name start cold, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .lengths import survival_rate
+
+__all__ = ["acceptance_prior", "survival_from_tau"]
+
+
+def survival_from_tau(tau: float, block_size: int) -> float:
+    """The per-proposal survival a whose E[tau] over a whole block of `block_size` is `tau`."""
+    return float(survival_rate(torch.tensor([tau / block_size]), block_size)[0])
+
+
+def acceptance_prior(manifest: Mapping[str, Any] | None, block_size: int) -> dict[str, float]:
+    """{domain: survival rate} from a drafter manifest's ``eval.tau_by_domain`` ({} without one).
+
+    A value that is not a finite number in [1, block_size] is skipped, not an error: the prior
+    only saves first reads, and a version must not fail to serve over its eval's bookkeeping."""
+    ev = (manifest or {}).get("eval") if isinstance(manifest, Mapping) else None
+    taus = ev.get("tau_by_domain") if isinstance(ev, Mapping) else None
+    if not isinstance(taus, Mapping) or block_size < 2:
+        return {}
+    out = {}
+    for domain, tau in taus.items():
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not isinstance(domain, str):
+            continue
+        if math.isfinite(tau) and 1.0 <= tau <= block_size:
+            out[domain] = survival_from_tau(float(tau), block_size)
+    return out

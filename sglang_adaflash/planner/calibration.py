@@ -82,7 +82,9 @@ class SurvivalPosterior:
         self.profile_weight, self.profile_decay = profile_weight, profile_decay
         self._domains: dict[str | None, int] = {None: 0}
         self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
-        self.prior: dict[str, float] = {}  # domain -> survival rate the drafter's eval gave (set_prior)
+        self.prior: dict[str | None, float] = {}  # domain -> survival rate the drafter's eval gave (set_prior)
+        # per domain: whether verification has shown anything since the last forget (best_known)
+        self.observed = np.zeros(max_domains, dtype=bool)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -112,7 +114,7 @@ class SurvivalPosterior:
         out.set_prior(self.prior)
         return out
 
-    def set_prior(self, rates: dict[str, float]) -> None:
+    def set_prior(self, rates: dict[str | None, float]) -> None:
         """Start each named domain from `domain_weight` pseudo-trials at its survival rate
         (planner.prior: the drafter version's own eval), on top of whatever evidence the domain
         holds; replaces the prior kept for :meth:`fresh` and :meth:`forget`. The head's summed
@@ -144,7 +146,7 @@ class SurvivalPosterior:
         ids = torch.tensor([self.domain_id(d) for d in domains], dtype=torch.long)
         self.slot_domain[slots] = ids.to(self.slot_domain.device)
 
-    def forget(self, prior: dict[str, float] | None = None) -> None:
+    def forget(self, prior: dict[str | None, float] | None = None) -> None:
         """Drop every request's and domain's evidence (a new drafter now serves: what the old
         one's proposals did says little about the new one's) and start from `prior`, the new
         version's own eval (planner.prior; None or {}: no prior, every domain cold). Slots keep
@@ -153,6 +155,7 @@ class SurvivalPosterior:
         self.counts.zero_()
         self.domain_counts.zero_()
         self.slot_counts.zero_()
+        self.observed[:] = False
         self.set_prior(prior or {})
 
     def move(self, src: int, dst: int) -> None:
@@ -207,15 +210,20 @@ class SurvivalPosterior:
     def best_known(self, n: int, width: int) -> np.ndarray | None:
         """[width] float32: the best evidence held, per proposal along the block; None if none.
 
-        The highest survival rate of any domain with evidence, or of cache slots 0..n-1 (a
-        request can do better than its domain), shaped by that domain's profile as
-        :meth:`per_slot` shapes a request's. What a request would have to beat for drafting it
-        to be a long shot (draft_choice.could_pay). Read on the host."""
+        The highest survival rate of any domain verification has shown something of, or of
+        cache slots 0..n-1 (a request can do better than its domain; a row of a domain the prior
+        alone rates is read at that rate), shaped by that domain's profile as :meth:`per_slot`
+        shapes a request's. What a request would have to beat for drafting it to be a long shot
+        (draft_choice.could_pay). A domain rated by the drafter's eval alone (set_prior) and not
+        in the batch does not count: what the drafter says of code is no reason to probe math
+        requests at full credit and replan a batch nothing pays in every few steps, where
+        nothing served here has shown it (benchmarks/adaptive/README.md, "The drafter's own
+        eval as the calibration's prior"). Read on the host."""
         dom = self.domain_counts.cpu().numpy()  # no copy on a CPU
         trials = dom[:, 0] + dom[:, 1]
         hw = np.float32(self.head_weight)
         head_mean = dom[:, 2] / np.maximum(trials, np.float32(_EPS))
-        domain_rate = np.where(trials > 0.5, (dom[:, 0] + hw * head_mean) / (trials + hw), -1.0)
+        domain_rate = np.where((trials > 0.5) & self.observed, (dom[:, 0] + hw * head_mean) / (trials + hw), -1.0)
         if self.host:
             rate, known = self.estimate_on_host(n)
         else:
@@ -283,6 +291,7 @@ class SurvivalPosterior:
         self.counts[slots] = self.counts[slots] * keep + obs
         self.domain_counts.mul_(self.domain_decay)
         self.domain_counts.index_add_(0, self.slot_domain[slots], obs)
+        self.observed[self.slot_domain[slots][seen].cpu().numpy()] = True
         # the profile: proposal slot j was reached if j <= n, accepted if j < n (j < cand)
         j = torch.arange(self.slot_counts.shape[1], device=n.device)[None]
         reached = ((j <= n[:, None]) & (j < cand[:, None])).float()
@@ -305,6 +314,7 @@ class SurvivalPosterior:
         ids = self.slot_domain.numpy()[slots]
         domains *= np.float32(self.domain_decay)
         np.add.at(domains, ids, obs)
+        self.observed[ids[seen]] = True
         j = np.arange(self.slot_counts.shape[1])[None]
         reached = (j <= n[:, None]) & (j < cand[:, None])
         profile = self.slot_counts.numpy()

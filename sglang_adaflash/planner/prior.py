@@ -30,7 +30,11 @@ import torch
 
 from .lengths import survival_rate
 
-__all__ = ["acceptance_prior", "survival_from_tau"]
+__all__ = ["UNTAGGED", "acceptance_prior", "survival_from_tau"]
+
+#: The eval's name for requests that carried no domain (training_job.opd.traffic.UNTAGGED): the
+#: calibration pools those under None.
+UNTAGGED = "untagged"
 
 
 def survival_from_tau(tau: float, block_size: int) -> float:
@@ -38,8 +42,9 @@ def survival_from_tau(tau: float, block_size: int) -> float:
     return float(survival_rate(torch.tensor([tau / block_size]), block_size)[0])
 
 
-def acceptance_prior(manifest: Mapping[str, Any] | None, block_size: int) -> dict[str, float]:
-    """{domain: survival rate} from a drafter manifest's ``eval.tau_by_domain`` ({} without one).
+def acceptance_prior(manifest: Mapping[str, Any] | None, block_size: int) -> dict[str | None, float]:
+    """{domain: survival rate} from a drafter manifest's ``eval.tau_by_domain`` ({} without one);
+    the eval's "untagged" becomes None, the calibration's pool of requests without a domain.
 
     A value that is not a finite number in [1, block_size] is skipped, not an error: the prior
     only saves first reads, and a version must not fail to serve over its eval's bookkeeping."""
@@ -52,5 +57,5 @@ def acceptance_prior(manifest: Mapping[str, Any] | None, block_size: int) -> dic
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not isinstance(domain, str):
             continue
         if math.isfinite(tau) and 1.0 <= tau <= block_size:
-            out[domain] = survival_from_tau(float(tau), block_size)
+            out[None if domain == UNTAGGED else domain] = survival_from_tau(float(tau), block_size)
     return out

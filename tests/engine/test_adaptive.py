@@ -683,3 +683,4 @@ def test_the_host_update_equals_the_tensor_update():
     for name in ("counts", "domain_counts", "slot_counts"):
         assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6), name
     assert float(a.slot_counts.sum()) > 0 and float(a.counts.abs().sum()) > 0
+    assert (a.observed == b.observed).all() and a.observed[1:4].all()  # the three domains, shown live

@@ -45,6 +45,21 @@ def test_a_manifest_without_a_usable_eval_gives_no_prior():
         "int": 2}}}, 16)
     assert set(got) == {"code", "int"}
     assert got["code"] == pytest.approx(survival_from_tau(3.45, 16))
+    # requests that carried no domain: the eval's "untagged", the calibration's None pool
+    untagged = acceptance_prior({"eval": {"tau_by_domain": {"untagged": 2.0}}}, 16)
+    assert set(untagged) == {None}
+    post = SurvivalPosterior(1)
+    post.set_prior(untagged)
+    post.reset(torch.arange(1), [None])
+    assert post.estimate(torch.arange(1))[1].tolist() == [True]
+
+
+def test_the_untagged_name_is_the_traffic_readers():
+    from training_job.opd.traffic import UNTAGGED as TRAFFIC_UNTAGGED
+
+    from sglang_adaflash.planner.prior import UNTAGGED
+
+    assert UNTAGGED == TRAFFIC_UNTAGGED
 
 
 def test_the_prior_starts_its_domains_and_survives_a_cold_start():
@@ -166,3 +181,25 @@ def test_a_loaded_drafter_carries_its_manifest():
 
     manifest = load_drafter(DRAFTER_DIR).manifest
     assert set(acceptance_prior(manifest, 16)) == {"code", "math", "prose"}
+
+
+def test_a_domain_the_eval_alone_rates_makes_no_other_domain_a_probe_worth_paying():
+    """could_pay reads the best evidence verification has shown: math rows failing live, beside
+    a code domain that only the eval rates well, are a long shot at one request (full probes
+    for them would be paid on the eval's word); once code requests have shown it live, they
+    are not (the rule for any domain's live evidence). A code row in the batch counts at its
+    prior rate."""
+    post = SurvivalPosterior(2)
+    post.set_prior({"code": survival_from_tau(6.0, 16)})
+    post.reset(torch.arange(1), ["math"])
+    for _ in range(20):
+        post.observe(torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0]), torch.tensor([16]))
+    assert not DraftChoice(post, 16, 2, "cpu").could_pay(1, ONE_ROW)
+    post.reset(torch.tensor([1]), ["code"])  # a code request in the batch
+    assert DraftChoice(post, 16, 2, "cpu").could_pay(2, ONE_ROW)
+    post.observe(torch.tensor([1]), torch.tensor([0.5]), torch.tensor([5]), torch.tensor([6]))
+    post.reset(torch.tensor([1]), ["math"])  # it left; code has shown it live
+    assert DraftChoice(post, 16, 2, "cpu").could_pay(1, ONE_ROW)
+    post.forget({"code": survival_from_tau(6.0, 16)})  # a new version: live evidence gone
+    post.reset(torch.arange(2), ["math", "math"])
+    assert not post.observed.any()

@@ -55,9 +55,8 @@ def test_a_manifest_without_a_usable_eval_gives_no_prior():
 
 
 def test_the_untagged_name_is_the_traffic_readers():
-    from training_job.opd.traffic import UNTAGGED as TRAFFIC_UNTAGGED
-
     from sglang_adaflash.planner.prior import UNTAGGED
+    from training_job.opd.traffic import UNTAGGED as TRAFFIC_UNTAGGED
 
     assert UNTAGGED == TRAFFIC_UNTAGGED
 

@@ -27,6 +27,7 @@ from ..drafter.model import DFlashDrafter
 from ..engine.engine import SpecEngine
 from ..engine.step_state import SpecBatch, _Seq
 from ..planner.calibration import SurvivalPosterior
+from ..planner.prior import acceptance_prior
 from ..target.hf_target import HFTarget
 from . import BRANCH_DRAFTERS, TREE_RULES, cascade, joint
 from .branch_evidence import BranchEvidence
@@ -115,6 +116,7 @@ class D2SDEngine(BranchProposals, BranchEvidence, SpecEngine):
         self.mode = "d2sd"
         if draft_off:  # SpecEngine built its choice for mode dflash, which never leaves a row out
             self.posterior = SurvivalPosterior(max_batch_size, device=self.device)  # the choice's, too
+            self.posterior.set_prior(acceptance_prior(drafter.manifest, drafter.config.block_size))
             self._draft_off = True
         self.tree_attention = cascade.select(tree_attention, self.device, target.dtype, target.head_dim)
         self._cascade = cascade.make(self.tree_attention, self.device)

@@ -302,3 +302,15 @@ def test_rows_in_flight_at_a_swap_grow_no_tree(target, drafter, draft_off):
     for o in outs:
         after = o.stats.verify_lens[mark:]
         assert after and all(n == 1 for n in after), "a row in flight at the swap grew a tree"
+
+
+def test_draft_off_trees_start_from_the_drafters_eval(target, drafter):
+    """A D2SD engine with draft-off seeds its calibration from its drafter's manifest, as
+    SpecEngine does (and as its inherited drafter_swapped does at a hot reload)."""
+    drafter.manifest = {"eval": {"tau_by_domain": {"code": 3.0}}}
+    try:
+        eng = _engine(D2SDEngine, target, drafter, draft_off=True, tree_rule="load_aware")
+    finally:
+        drafter.manifest = None
+    assert set(eng.posterior.prior) == {"code"}
+    assert set(_engine(D2SDEngine, target, drafter, draft_off=True, tree_rule="load_aware").posterior.prior) == set()

@@ -6,18 +6,19 @@ blocks; a distillation round's decodes through the reference engine in mode dfla
 manifest's ``eval.method`` says which). Without it a new engine, or one that just swapped a
 version in, knows nothing of any domain: its first requests read the drafter once each (first
 reads) before the plan has anything to price them by, and where drafting cannot pay at the batch
-size those reads are pure cost (at mixed c=32 on the embedded pair they were most of what the
-engine drafted in a run that drafted nobody else).
+size those reads are pure cost (at in-domain c=32 on the embedded pair they were every row a run
+drafted after its first: benchmarks/adaptive/first_reads/in_domain_c32.json).
 
-The eval becomes a prior: each domain it names starts with `weight` pseudo-trials at the survival
-rate whose expected tau over a whole block is the eval's tau (the geometric process the planner
-prices slots with, :func:`~sglang_adaflash.planner.lengths.survival_rate`). It is evidence like
-any other (SurvivalPosterior.set_prior): live verification outweighs it within a few drafted
-steps of the domain and the domain's decay fades it, so an eval that flatters the drafter (the
-teacher-forced tau of the shipped drafter reads 3.45 on code where live decoding reads 2.8)
+The eval becomes a prior: each domain it names starts with `domain_weight` pseudo-trials at the
+survival rate whose expected tau over a whole block is the eval's tau (the geometric process the
+planner prices slots with, :func:`~sglang_adaflash.planner.lengths.survival_rate`). It is evidence
+like any other (SurvivalPosterior.set_prior): live verification outweighs it within about ten
+verify steps of the domain and the domain's decay fades it, so an eval that flatters the drafter
 costs a few drafted steps, not a lock-in (the shipped drafter's teacher-forced eval reads 3.45 on
 code and 3.09 on prose, where live decoding of those prompts in mode dflash reads 2.80:
-benchmarks/adaptive/avx2/results_f47607e.json). Domains the eval does not name start cold, as before.
+benchmarks/adaptive/avx2/results_f47607e.json). Domains the eval does not name start cold, as
+before. A domain the prior alone rates is not evidence that another domain's requests could pay
+(SurvivalPosterior.best_known).
 """
 
 from __future__ import annotations

@@ -83,8 +83,14 @@ class SurvivalPosterior:
         self._domains: dict[str | None, int] = {None: 0}
         self.host = torch.device(device).type == "cpu"  # update in numpy on views (observe)
         self.prior: dict[str | None, float] = {}  # domain -> survival rate the drafter's eval gave (set_prior)
-        # per domain: whether verification has shown anything since the last forget (best_known)
-        self.observed = np.zeros(max_domains, dtype=bool)
+
+    @property
+    def observed(self) -> np.ndarray:
+        """[max_domains] bool, on the host: whether verification has shown anything of each
+        domain since the last forget (set_prior does not count). It is the profile's count of
+        first proposals reached, which every verify of a proposal adds to and only forget
+        clears (its decay takes tens of thousands of steps without the domain to reach 0)."""
+        return self.slot_counts[:, 0, 1].cpu().numpy() > 0
 
     @property
     def counts(self) -> torch.Tensor:
@@ -155,7 +161,6 @@ class SurvivalPosterior:
         self.counts.zero_()
         self.domain_counts.zero_()
         self.slot_counts.zero_()
-        self.observed[:] = False
         self.set_prior(prior or {})
 
     def move(self, src: int, dst: int) -> None:
@@ -291,7 +296,6 @@ class SurvivalPosterior:
         self.counts[slots] = self.counts[slots] * keep + obs
         self.domain_counts.mul_(self.domain_decay)
         self.domain_counts.index_add_(0, self.slot_domain[slots], obs)
-        self.observed[self.slot_domain[slots][seen].cpu().numpy()] = True
         # the profile: proposal slot j was reached if j <= n, accepted if j < n (j < cand)
         j = torch.arange(self.slot_counts.shape[1], device=n.device)[None]
         reached = ((j <= n[:, None]) & (j < cand[:, None])).float()
@@ -314,7 +318,6 @@ class SurvivalPosterior:
         ids = self.slot_domain.numpy()[slots]
         domains *= np.float32(self.domain_decay)
         np.add.at(domains, ids, obs)
-        self.observed[ids[seen]] = True
         j = np.arange(self.slot_counts.shape[1])[None]
         reached = (j <= n[:, None]) & (j < cand[:, None])
         profile = self.slot_counts.numpy()

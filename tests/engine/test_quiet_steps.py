@@ -115,3 +115,41 @@ def test_could_pay_is_kept_while_no_evidence_comes(monkeypatch):
         choice._could_pay(4, DEAR)
         post.observe(torch.tensor([0]), torch.full((1,), 0.5), torch.tensor([0]), torch.full((1,), 16))
     assert len(calls) == 640 // 16
+
+
+def _plans_with_joins(monkeypatch, join_domain: str, accepted=(0, 0, 0, 0), cost=DEAR, steps: int = 32) -> int:
+    """Plans computed over `steps` steps of four undrafted rows where a request of `join_domain`
+    takes row 3's slot every fourth step (one retires, one joins: the batch size stays)."""
+    post = _posterior(True, accepted)
+    choice = DraftChoice(post, 16, 2, "cpu", probe_share=0.0)
+    plans = []
+    plan = choice._plan_on_host
+    monkeypatch.setattr(choice, "_plan_on_host", lambda *a: (plans.append(1), plan(*a))[1])
+    seqs = [SimpleNamespace(since_draft=1, probe_gap=16) for _ in range(4)]
+    for step in range(steps):
+        if step % 4 == 3:
+            post.reset(torch.tensor([3]), [join_domain])
+            seqs[3] = SimpleNamespace(since_draft=0, probe_gap=0)
+        drafted, _ = choice.choose(seqs, [16] * 4, cost, measured=False)
+        choice.posterior.idle(4, drafted)
+        for i, s in enumerate(seqs):
+            s.since_draft = 0 if i in drafted else s.since_draft + 1
+    return len(plans)
+
+
+def test_a_join_where_no_row_could_pay_leaves_the_nobody_plan_standing(monkeypatch):
+    """Joins of the batch's own domain, where no row could pay: the plan stands through them
+    (rechecked every QUIET_REPLAN + 1 steps). Controls: a join of a domain with no evidence,
+    where a drafter that is always right could pay, is planned (its first read; where not even
+    that could pay, it is not), and so is every join where rows could pay."""
+    assert _plans_with_joins(monkeypatch, "d", steps=64) <= 64 // (draft_choice.QUIET_REPLAN + 1) + 1
+    # within one stand (QUIET_REPLAN steps), so that only the joins can make plans
+    assert _plans_with_joins(monkeypatch, "d") == 1
+    cheap = StepCostModel(fixed=0.05, per_token=0.0001, per_draft=0.0001, draft_fixed=0.0005)
+    assert not DraftChoice(_posterior(True, (0, 0, 0, 0)), 16, 2, "cpu").could_pay(4, cheap)
+    assert _plans_with_joins(monkeypatch, "new", cost=cheap) >= 32 // 4
+    # ... but not where not even a drafter that is always right could pay: no first read then
+    never = StepCostModel(fixed=0.001, per_token=0.001, per_draft=0.05, draft_fixed=0.05)
+    assert not DraftChoice(_posterior(True, (0, 0, 0, 0)), 16, 2, "cpu").perfect_could_pay(4, never)
+    assert _plans_with_joins(monkeypatch, "new", cost=never) == 1
+    assert _plans_with_joins(monkeypatch, "d", accepted=(2, 3, 4, 14)) >= 32 // 4

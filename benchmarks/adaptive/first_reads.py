@@ -4,10 +4,10 @@ probes, planned rows, and whether a drafter that is always right could pay at th
 Each timed run of run.py starts with a cold posterior (no domain history) on an engine whose
 cost model carries over from the runs before. This serves one cell `--runs` times that way,
 after run.py's warm-up, counting per run: the steps that drafted anyone, the forced rows
-(first reads and probes) and the planned rows, the steps that drafted forced rows only, and
-at the end of the run the fitted prices and DraftChoice.perfect_could_pay at the cell's batch
-size; and, for comparison, a fresh start-up profile (what the cost model starts from). Not a
-speed measurement.
+(first reads and probes) and the planned rows, the steps that drafted forced rows only, the
+most rows one step drafted, and at the end of the run the fitted prices and
+DraftChoice.perfect_could_pay at the cell's batch size; and, for comparison, a fresh start-up
+profile (what the cost model starts from). Not a speed measurement.
 
     python benchmarks/adaptive/first_reads.py --workload in_domain --concurrency 32 \\
         --out benchmarks/adaptive/first_reads/in_domain_c32_<commit>.json
@@ -52,12 +52,14 @@ def main(argv=None) -> int:
         counts["forced_rows"] += len(forced)
         counts["planned_rows"] += len(drafted) - len(forced)
         counts["forced_only_steps"] += bool(drafted) and len(forced) == len(drafted)
+        counts["most_rows_a_step"] = max(counts["most_rows_a_step"], len(drafted))
         return drafted, forced
 
     eng.choice.choose = counted
     runs = []
     for _ in range(args.runs):
-        counts.update(steps=0, drafted_steps=0, forced_rows=0, planned_rows=0, forced_only_steps=0)
+        counts.update(steps=0, drafted_steps=0, forced_rows=0, planned_rows=0, forced_only_steps=0,
+                      most_rows_a_step=0)
         eng.posterior = eng.posterior.fresh()
         eng.run(cell_requests(prompts, n, 64, tuple(pair.stop_token_ids)))
         cost = eng._online_cost.model(args.concurrency)

@@ -40,8 +40,6 @@ QUIET_FADING = 8  # ... while undrafted requests' evidence fades towards their d
 PLAIN_EVERY = 64  # steps in a row that drafted anyone, after which one step runs plain (a plain probe)
 PLAIN_FIRST = 8  # ... at a batch size with no plain step seen yet; the wait doubles with each seen
 LONG_SHOT_SHARE = 0.25  # of the probe credit, where not even rows as good as the best evidence pay (could_pay)
-RAMP_FLOOR = 4  # planned rows a step may draft with no recent drafted step to go by (ramp_cap)
-RAMP_MEMORY = 16  # steps a drafted step's row count stays the ramp's base (ramp_cap)
 
 
 class DraftChoice:
@@ -63,7 +61,6 @@ class DraftChoice:
         self._since_plain = 0  # steps in a row that drafted anyone (see PLAIN_EVERY)
         self._plain_seen: dict[int, int] = {}  # plain steps chosen per batch size (see plain_wait)
         self._could_pay_memo: list | None = None  # [key, answer, steps since, posterior] (_could_pay)
-        self._ramp_rows, self._ramp_age = 0, RAMP_MEMORY  # the last drafted step's rows, steps since (ramp_cap)
         # the last choice's plan, for an engine that drafts by it (lengths_from="history"):
         self.lengths: torch.Tensor | None = None  # [bs] long on the host: planned verify lengths
         self.rate: torch.Tensor | None = None  # [bs] the posterior survival the plan read
@@ -73,7 +70,6 @@ class DraftChoice:
         stood on was dropped, or the drafter changed)."""
         self._quiet_plan, self._quiet_steps = None, 0
         self._could_pay_memo = None
-        self._ramp_rows, self._ramp_age = 0, RAMP_MEMORY  # a new drafter version ramps up anew
 
     @property
     def max_pending(self) -> int:
@@ -88,7 +84,6 @@ class DraftChoice:
         is the engine's measured one, so a step of forced rows alone is charged what it took.
         """
         self.forced_charge = None
-        self._ramp_age += 1
         # This runs on every step, and on most steps of a batch that does not pay for drafting it
         # decides "nobody": that path stays in plain Python (no tensor is built before the plan).
         bs = len(seqs)
@@ -126,16 +121,13 @@ class DraftChoice:
         if due is None:
             due = due_rows()
         rate, draw, force, lens = (self._plan_on_host if self.host else self._plan_on_device)(bs, caps, cost)
-        if measured:
-            self._ramp(lens, force, draw)
         planned = lens > 1
         chosen = planned | force
         # a row drafted because its draw beat its mean is a trial: it verifies >= min_len slots
         force |= chosen & (draw > rate)
         spend, probes = (0.0 if bool(chosen.any()) else cost.draft_fixed), 0
-        room = self.ramp_cap() - int(chosen.sum()) if measured else bs  # probes ramp up too (ramp_cap)
         for i in sorted((i for i in due if not chosen[i]), key=lambda i: -seqs[i].since_draft):
-            if self.credit < spend + row or probes >= room:
+            if self.credit < spend + row:
                 break
             spend, probes = spend + row, probes + 1
             chosen[i] = force[i] = True
@@ -151,7 +143,6 @@ class DraftChoice:
         self._quiet_plan, self._quiet_steps = (None if drafted else bs), 0
         if drafted:
             self._since_plain += 1
-            self._ramp_rows, self._ramp_age = len(drafted), 0
         else:
             self._ran_plain(bs)
         return drafted, [i for i in drafted if bool(force[i])]
@@ -168,41 +159,6 @@ class DraftChoice:
             return True
         _, known = self.posterior.estimate_on_host(bs)
         return not bool(known[joined].all()) and self.perfect_could_pay(bs, cost)
-
-    def ramp_cap(self) -> int:
-        """The most rows a step's plan may draft, and the most its planned rows and the probes
-        riding along with them may add up to (first reads have their own bound, FIRST_READS a
-        domain): twice the rows of the last step that drafted anyone, if it ran within
-        RAMP_MEMORY steps, else RAMP_FLOOR.
-
-        A plan for many rows at once reads prices and acceptance the engine has not seen at
-        that scale: the cost fit's per-row terms are identified only by drafted steps of
-        different row counts (forced steps draft one or a few), and a domain's first evidence
-        is its drafter's own eval (planner.prior), which on the shipped pair reads tau 3.45 and
-        3.09 on code and prose where drafting live gives 2.82 and 2.78. At mixed c=32 the plan
-        then drafted 21-29 rows in one step now and then: such a step took 92-107 ms against a
-        plain step's 21 (their pending contexts' catch-up included), the next one or two 44-49,
-        and the evidence they gave stopped drafting again: 3-5% of each timed run. Probes ride
-        along with planned rows at their rows' price, which the fit then put at 0.19 ms where a
-        row costs about ten times that: one step drafted 6 planned rows and 21 due probes, in
-        91 ms against 24. Doubling from a few rows gathers the same evidence at a fraction of the
-        price, and where drafting pays reaches the whole batch within a few steps (4, 8, 16, 32,
-        64); due probes left out wait for a later step."""
-        if self._ramp_age >= RAMP_MEMORY:
-            return RAMP_FLOOR
-        return max(RAMP_FLOOR, 2 * self._ramp_rows)
-
-    def _ramp(self, lens, force, draw) -> None:
-        """Cut the plan to ramp_cap planned rows, keeping those with the best survival it read
-        (lens and the rest: [bs] numpy arrays or host tensors; lens is set to 1 in place where a
-        row is cut, so the plan the engine reads, self.lengths, agrees)."""
-        cap = self.ramp_cap()
-        planned = [i for i, (n, f) in enumerate(zip(lens.tolist(), force.tolist())) if n > 1 and not f]
-        if len(planned) <= cap:
-            return
-        rates = draw.tolist()
-        for i in sorted(planned, key=lambda i: -rates[i])[cap:]:
-            lens[i] = 1
 
     def plain_wait(self, bs: int) -> int:
         """Steps in a row that draft anyone before a plain probe at batch size `bs`.

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.runner import recorded_path  # noqa: E402
 from sglang_adaflash.core.rejection import RejectionSampler  # noqa: E402
-from sglang_adaflash.engine import draft_choice, engine  # noqa: E402
+from sglang_adaflash.engine import draft_choice, proposals  # noqa: E402
 from sglang_adaflash.engine.engine import EngineStats, SpecEngine  # noqa: E402
 from sglang_adaflash.engine.proposer import DFlashProposer  # noqa: E402
 from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
@@ -55,7 +55,8 @@ PARTS = [
     (SpecEngine, "_commit", "commit"),
     (SpecEngine, "_retire", "retire"),
     (draft_choice, "plan_lengths", "choice_plan"),
-    (engine, "plan_verify_lengths", "length_plan"),
+    (draft_choice, "plan_on_host", "choice_plan_host"),
+    (proposals, "plan_verify_lengths", "length_plan"),
     (SurvivalPosterior, "calibrate", "calibrate"),
     (SurvivalPosterior, "observe", "observe"),
 ]

@@ -108,7 +108,7 @@ class DraftChoice:
         stands = QUIET_REPLAN if self.posterior.idle_decay == 1.0 or not pays else QUIET_FADING
         joined = [i for i, s in enumerate(seqs) if s.since_draft == 0] if quiet else []
         if (quiet and self._quiet_steps < stands
-                and (not joined or not pays and not self._joined_cold(joined, bs, cost))):
+                and (not joined or not pays and not self._joined_cold(joined, caps, bs, cost))):
             self._quiet_steps += 1
             self._ran_plain(bs)
             return [], []
@@ -147,10 +147,11 @@ class DraftChoice:
             self._ran_plain(bs)
         return drafted, [i for i in drafted if bool(force[i])]
 
-    def _joined_cold(self, joined: list[int], bs: int, cost: StepCostModel) -> bool:
-        """Whether a plan would give any of the `joined` rows a first read (_cold_reads): one has
-        no history, own or its domain's, and a drafter that is always right could pay here. A
-        posterior on a device is not read here (it would sync the host): its rows are planned.
+    def _joined_cold(self, joined: list[int], caps: list[int], bs: int, cost: StepCostModel) -> bool:
+        """Whether a plan would give any of the `joined` rows a first read: _cold_reads, asked of
+        those rows alone (no history, own or its domain's, a block left to verify, and a
+        drafter that is always right could pay here). A posterior on a device is not read here
+        (it would sync the host): its rows are planned.
 
         At mixed c=32, where nothing pays, a request joins every few steps, and each join made a
         plan of the whole batch that drafted nobody: 149 plans in 366 steps before, 99 after, the
@@ -159,7 +160,9 @@ class DraftChoice:
         if not self.host:
             return True
         _, known = self.posterior.estimate_on_host(bs)
-        return not bool(known[joined].all()) and self.perfect_could_pay(bs, cost)
+        cold = np.zeros(bs, dtype=bool)
+        cold[joined] = ~known[joined] & (np.asarray(caps, dtype=np.int64)[joined] > 1)
+        return bool(self._cold_reads(cold, bs, cost).any())
 
     def plain_wait(self, bs: int) -> int:
         """Steps in a row that draft anyone before a plain probe at batch size `bs`.

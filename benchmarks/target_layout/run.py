@@ -7,6 +7,12 @@ neighbour hits both alike. Shapes are a decode step's: `--batch` requests over `
 cached tokens, each verifying L tokens (L = 1 is a plain step). Per shape it records the median
 seconds of each layout, their ratio, and whether the two layouts' logits were equal.
 
+The embedded target's LM head is tied to its embedding; HFTarget gives it its own column-major
+copy (weight_layout.column_major_tied_head), so "row-major" here is a row-major copy of the
+table (what the tied head multiplied by) and "column-major" the copy HFTarget makes. The head's
+GEMM alone, at the rows a verify or the drafter's proposals give it, is timed apart the same
+way (`lm_head_gemm`).
+
     python benchmarks/target_layout/run.py --out benchmarks/target_layout/results.json
 """
 
@@ -26,6 +32,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
+from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
 from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 from sglang_adaflash.target.hf_target import TargetBatch  # noqa: E402
 from sglang_adaflash.target.weight_layout import column_major_linears  # noqa: E402
@@ -80,6 +87,28 @@ def measure(target, weights, bs: int, lengths: list[int], context: int, repeats:
     return rows
 
 
+def head_gemm(target, rows: list[int], repeats: int) -> list[dict]:
+    """The LM head's GEMM alone (x [n, H] @ W.T) with W row-major and column-major, alternating."""
+    w = target.lm_head.weight.detach()
+    layouts = {False: w.contiguous(), True: w.t().contiguous().t()}
+    g = torch.Generator().manual_seed(0)
+    out = []
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, w.shape[1], generator=g, dtype=w.dtype)
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for rep in range(repeats + 1):
+                for column in (False, True, True, False):
+                    t0 = time.perf_counter()
+                    torch.nn.functional.linear(x, layouts[column])
+                    if rep:
+                        times[column].append(time.perf_counter() - t0)
+            row_us, col_us = (1e6 * statistics.median(times[c]) for c in (False, True))
+            out.append({"rows": n, "row_major_us": round(row_us, 1), "column_major_us": round(col_us, 1),
+                        "column_over_row": round(col_us / row_us, 3)})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -93,14 +122,18 @@ def main(argv=None) -> int:
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32", need_drafter=False)
     weights = relaid(pair.target)
     rows = [r for bs in args.batch for r in measure(pair.target, weights, bs, args.lengths, args.context, args.repeats)]
+    head = head_gemm(pair.target, [1, 2, 4, 8, 16], 10 * args.repeats)
     for r in rows:
         print(f"bs {r['batch']:2d} L {r['verify_len']:2d}: row-major {r['row_major_ms']:7.3f} ms, column-major "
               f"{r['column_major_ms']:7.3f} ms, ratio {r['column_over_row']:.3f}, logits equal {r['logits_equal']}")
+    for r in head:
+        print(f"LM head GEMM, {r['rows']:2d} rows: row-major {r['row_major_us']:6.1f} us, column-major "
+              f"{r['column_major_us']:6.1f} us, ratio {r['column_over_row']:.3f}")
     out = {"command": "benchmarks/target_layout/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": cpu_description(), "threads": args.threads, "context": args.context,
-           "repeats": args.repeats, "relaid_weights": len(weights), "rows": rows}
+           "repeats": args.repeats, "relaid_weights": len(weights), "rows": rows, "lm_head_gemm": head}
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_text_atomic(Path(args.out), json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import flashinfer_sampling
-from .sampling import filtered_probs, sample_from
+from .sampling import filtered_probs, greedy_ids, sample_from
 from .spec_metadata import SpecMetadata
 from .verify_result import PLACEHOLDER, VerifyResult
 
@@ -49,7 +49,7 @@ def verify_greedy(
     draft_ids: torch.Tensor, target_logits: torch.Tensor, num_candidates: torch.Tensor
 ) -> VerifyResult:
     """draft_ids [bs, K]; target_logits [bs, K+1, V] (slot j predicts slot j+1); num_candidates [bs]."""
-    target_ids = target_logits.argmax(dim=-1)  # [bs, K+1]
+    target_ids = greedy_ids(target_logits)  # [bs, K+1]
     accepted = _first_rejection(draft_ids == target_ids[:, :-1], num_candidates)
     bonus = target_ids.gather(1, accepted[:, None]).squeeze(1)
     return _assemble(draft_ids, accepted, bonus)

@@ -23,6 +23,20 @@ SAMPLING_EPS = 1e-5
 _MAX_T = torch.finfo(torch.float32).max
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension: the first index of the largest value (or of the
+    first NaN), as `argmax` gives it.
+
+    On a CPU `max(-1).indices` returns the same indices (both keep the first of tied values)
+    in less time: on the CPU measured, 14 us against 34 for a 5-token verify's logits over a
+    4096-token vocabulary, and 11 against 27 for 4 proposals'. A decode step takes one or two.
+    Elsewhere `argmax` stays, whose tie rule is the documented one on every device.
+    """
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 class RequestError(ValueError):
     """A request the engine refuses; it fails alone, the rest of the batch goes on."""
 

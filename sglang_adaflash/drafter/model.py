@@ -40,14 +40,17 @@ class DrafterAttention(nn.Module):
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask, rows=None):
-        """x [N, Q, H] block states; ctx_k/v [N, kvh, C, hd]; mask [N, 1, Q, C+Q] -> [N, Q, H].
+        """x [N, Q, H] block states; ctx_k/v [N, kvh, C, hd]; mask [N, 1, Q, C+Q] or None (all
+        visible) -> [N, Q, H].
 
         rows [N, R]: queries at those block slots only (every slot still gives keys and values)
-        -> [N, R, H]."""
+        -> [N, R, H]; a slice reads the same slots of every row, by views."""
         bk, bv = self.key_value(x, cos, sin)
         if rows is not None:
             x, cos, sin = (_take_rows(t, rows) for t in (x, cos, sin))
-            mask = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[3]))
+            if mask is not None:
+                mask = mask[:, :, rows] if isinstance(rows, slice) else \
+                    mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[3]))
         n, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, self.head_dim))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
@@ -82,8 +85,10 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t [N, Q, ...] -> [N, R, ...] at block slots rows [N, R]."""
+def _take_rows(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """t [N, Q, ...] -> [N, R, ...] at block slots rows [N, R], or a view at a slice of them."""
+    if isinstance(rows, slice):
+        return t[:, rows]
     return t.gather(1, rows.view(*rows.shape, *([1] * (t.dim() - 2))).expand(*rows.shape, *t.shape[2:]))
 
 
@@ -145,9 +150,11 @@ class DFlashDrafter(nn.Module):
         """Target hidden states [..., K*H] -> context features [..., H]."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor):
-        """Per-layer K/V of context features. ctx [N, C, H], positions [N, C] -> [(k, v)] * layers."""
-        cos, sin = self.rope(positions, ctx.dtype)
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor, rope=None):
+        """Per-layer K/V of context features. ctx [N, C, H], positions [N, C] -> [(k, v)] * layers.
+        rope: RoPE's (cos, sin) at those positions when the caller has them (a decode-time
+        table, engine.proposer), else computed."""
+        cos, sin = rope if rope is not None else self.rope(positions, ctx.dtype)
         return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
 
     def forward(
@@ -156,18 +163,22 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor,
-        read: torch.Tensor | None = None,
+        read: torch.Tensor | slice | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Runs the layers over a block.
 
         block_embeds [N, Q, H]; block_positions [N, Q]; ctx_kv per layer ([N, kvh, C, hd] x2);
         mask [N, 1, Q, C+Q] bool. Returns the final normed block states [N, Q, H], or with
-        read [N, R] (block slots) only those states [N, R, H]: the last layer then runs its
+        read [N, R] (block slots; a slice when every row reads the same ones) only those states
+        [N, R, H]: the last layer then runs its
         queries, output projection and MLP on those slots alone, since no later layer needs the
-        others (a recovery branch reads 4 of a block's 16 slots).
+        others (a recovery branch reads 4 of a block's 16 slots). rope: (cos, sin) at
+        block_positions when the caller has them, as in context_kv. mask None: every query sees
+        every key (one request's block over its whole context).
         """
         x = block_embeds.to(self.fc.weight.dtype)
-        cos, sin = self.rope(block_positions, x.dtype)
+        cos, sin = rope if rope is not None else self.rope(block_positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, (ck, cv)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, cos, sin, ck, cv, mask, read if i == last else None)

@@ -18,7 +18,7 @@ import torch
 from ..core import flashinfer_sampling
 from ..core.clock import synced_time
 from ..core.rejection import RejectionSampler, VerifyResult
-from ..core.sampling import RequestError, filtered_probs
+from ..core.sampling import RequestError, filtered_probs, greedy_ids
 from ..core.spec_metadata import RowSampling
 from ..drafter.model import DFlashDrafter
 from ..planner.calibration import SurvivalPosterior
@@ -342,7 +342,7 @@ class SpecEngine(ContextBacklog, DraftedRows):
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """One token per row from logits [n, V], greedy or filtered sampling per request."""
-        out = logits.argmax(-1)
+        out = greedy_ids(logits)
         hot = [i for i, s in enumerate(seqs) if not s.req.sampling.greedy]
         if hot:
             probs = filtered_probs(logits[hot], *self._sampling_tensors([seqs[i] for i in hot]))
@@ -440,8 +440,8 @@ class SpecEngine(ContextBacklog, DraftedRows):
         if self._plan_first:  # lengths first, then only the slots they verify
             self._planned_lengths(spec, cap)
             k = int(spec.lengths.max()) - 1
-            read = torch.arange(1, k + 1, device=self.device)[None].expand(len(drafted), k)
-            read_states = self.proposer.propose(last, ctx, histories, slots=drafted, read=read)  # [n, K, H]
+            # every row reads block slots 1..k: a slice, so the drafter takes them by views
+            read_states = self.proposer.propose(last, ctx, histories, slots=drafted, read=slice(1, k + 1))  # [n, K, H]
             hidden = read_states.new_zeros(len(drafted), k + 1, read_states.shape[-1])  # indexed by block slot
             hidden[:, 1:] = read_states
             self._proposals(seqs, spec, hidden, trim=self.confidence is not None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.sampling import filtered_probs
+from ..core.sampling import filtered_probs, greedy_ids
 from ..planner.confidence import trim_lengths
 from ..planner.lengths import PlanCost, plan_verify_lengths, survival_rate
 from .step_state import SpecBatch, _Seq
@@ -90,7 +90,7 @@ class DraftedRows:
         rows, slots = needed.nonzero(as_tuple=True)
         rows_d, slots_d = rows.to(self.device), slots.to(self.device)
         logits = self.proposer.proposal_logits(hidden, in_hidden[rows].to(self.device), slots_d + 1)  # [n, V]
-        spec.draft_ids[rows_d, slots_d] = logits.argmax(-1)
+        spec.draft_ids[rows_d, slots_d] = greedy_ids(logits)
         if trim:
             self._trim(spec, rows, slots, logits, k)
             k = int(spec.lengths.max()) - 1

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..core.kv_cache import SlotKVCache
+from ..core.layers import rope_cos_sin
 from ..drafter.model import DFlashDrafter
+from ..target.weight_layout import column_major_linears
 
 
 class DFlashProposer:
@@ -17,6 +19,12 @@ class DFlashProposer:
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         ref = drafter.fc.weight
+        # float32 on a CPU: its projections column-major, as the target's (target.weight_layout);
+        # a hot reload copies new values into these tensors, keeping the layout
+        self.relaid_linears = column_major_linears(drafter)
+        # RoPE's cos and sin at every position the cache holds, read by index (rope_at)
+        self.rope_table = rope_cos_sin(torch.arange(capacity, device=ref.device), cfg.head_dim, cfg.rope_theta,
+                                       ref.dtype)
         self.cache = SlotKVCache(
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,
@@ -38,7 +46,7 @@ class DFlashProposer:
         a = target_hidden.shape[1]
         positions = starts[:, None] + torch.arange(a, device=starts.device)[None]
         ctx = self.drafter.project_context(target_hidden)
-        write_context(self.cache, self.drafter.context_kv(ctx, positions), positions, slots)
+        write_context(self.cache, self.drafter.context_kv(ctx, positions, self.rope_at(positions)), positions, slots)
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.cache.move(src, dst, length)
@@ -49,7 +57,7 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(
         self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, histories=None, slots: list[int] | None = None,
-        read: torch.Tensor | None = None,
+        read: torch.Tensor | slice | None = None,
     ) -> torch.Tensor:
         """One drafter forward for the requests in cache slots `slots` (default 0..bs-1).
 
@@ -58,24 +66,39 @@ class DFlashProposer:
         only some of the running requests reads their context by a gather; consecutive
         slots (the whole running batch) read it as a view.
         Returns the block states [bs, B, H] (final normed); proposal_logits turns the slots that
-        will be verified into logits. With read [bs, R] (block slots) it returns only those
-        states, [bs, R, H]: the last layer's queries and MLP then run on those slots alone, and
+        will be verified into logits. With read [bs, R] (block slots; a slice when every row reads
+        the same ones) it returns only those states, [bs, R, H]: the last layer's queries and MLP then run on those slots alone, and
         the states are exactly the full block's at them (every slot's K/V is still computed).
         What skips the rest pays when few slots are verified: a 16-slot block's query side is
         most of the drafter's arithmetic, which on a CPU is most of its time.
         """
-        embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens)
-        return self.drafter(embeds, positions, self.context(self.cache, slots, len(last_tokens), c), mask, read)
+        embeds, positions, mask, c = self.block_inputs(last_tokens, ctx_lens, mask_one=False)
+        return self.drafter(embeds, positions, self.context(self.cache, slots, len(last_tokens), c), mask, read,
+                            rope=self.rope_at(positions))
 
-    def block_inputs(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor):
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) [..., hd] at positions, read from the table: the values the drafter
+        computes (the same float64 arithmetic, then the cast), in two gathers where computing
+        them took about 14 small ops (27 us a call on the CPU measured; a drafted step makes two).
+        Positions past the table read its last row: only a padded row's, whose entries land
+        beyond its committed context and are overwritten before they are read (extend_context),
+        as the cache's own writes clamp them."""
+        index = positions.clamp(max=self.rope_table[0].shape[0] - 1)
+        return self.rope_table[0][index], self.rope_table[1][index]
+
+    def block_inputs(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, mask_one: bool = True):
         """Each request's block [last token, masks...]: embeddings [bs, B, H], positions [bs, B],
-        the mask [bs, 1, B, C+B] (its own committed context, and the whole block) and C."""
+        the mask [bs, 1, B, C+B] (its own committed context, and the whole block) and C.
+        With mask_one False a single request gets no mask (None): it sees all C+B keys, and
+        attention without a mask is one op where building it took six."""
         bs, b = last_tokens.shape[0], self.block_size
         block_ids = torch.full((bs, b), self.mask_token_id, dtype=torch.long, device=last_tokens.device)
         block_ids[:, 0] = last_tokens
         embeds = self.drafter.embed_tokens(block_ids)
         positions = ctx_lens[:, None] + torch.arange(b, device=ctx_lens.device)[None]
         c = int(ctx_lens.max())
+        if bs == 1 and not mask_one:
+            return embeds, positions, None, c
         ctx_visible = torch.arange(c, device=ctx_lens.device)[None] < ctx_lens[:, None]  # [bs, C]
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(bs, b)], dim=1)  # [bs, C+B]
         return embeds, positions, mask[:, None, None, :].expand(bs, 1, b, c + b), c

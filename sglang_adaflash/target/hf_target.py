@@ -19,7 +19,7 @@ from torch import nn
 
 from ..core.kv_cache import SlotKVCache
 from ..core.layers import apply_rope, attention, rms_norm
-from .weight_layout import column_major_linears
+from .weight_layout import column_major_linears, column_major_tied_head
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -141,6 +141,8 @@ class HFTarget:
         self.model = model.eval()
         # float32 on a CPU: the same weights, column-major, for MKL's faster few-row GEMM (weight_layout)
         self.relaid_linears = column_major_linears(model)
+        # a head tied to the embedding gets its own column-major copy (weight_layout)
+        self.head_copied = column_major_tied_head(model.lm_head, model.model.embed_tokens)
         self.config = cfg
         self.path = path
         self.backbone = model.model

@@ -1,4 +1,5 @@
-"""Column-major projection weights for a float32 target on a CPU: the same values, a faster GEMM.
+"""Column-major projection weights for a float32 target (and its drafter) on a CPU: the same
+values, a faster GEMM.
 
 An `nn.Linear` computes x @ W.T with W stored [out, in], row-major. On the CPU measured here,
 MKL's single-precision GEMM for the few rows a decode step has (one token per
@@ -17,12 +18,28 @@ embeddings) is left as it is: an embedding reads rows, and a column-major table 
 every lookup a strided gather across the whole table. Only float32 weights on a CPU are
 relaid out: that is the case measured; a GPU, and half types on a CPU, keep the layout they
 were loaded with.
+
+A tied LM head is where the layout matters most, and it cannot be relaid out in place: its
+table is the embedding's. On an Intel Xeon with AVX-512 kernels MKL's row-major GEMM for the
+embedded target's head (4096 x 256) took 298 us at 4 rows and 441 at 8 against 152 at one,
+while the column-major one took 163 and 187 (benchmarks/target_layout/results_xeon.json,
+`lm_head_gemm`): every verify of a few tokens, and every drafter step's proposals (the drafter
+borrows the head), paid twice a plain step's head or more.
+`column_major_tied_head` therefore gives such a head its own column-major copy, leaving the
+embedding its row-major table; the copy costs the table's memory again, so only tables up to
+TIED_HEAD_COPY_MAX_BYTES get one. The decode-time drafter's projections are relaid out the same
+way (engine.proposer.DFlashProposer): its block forward multiplies 16 rows and its MLP the few
+slots read.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+# the largest tied LM head given its own column-major copy: 256 MiB (the embedded target's is 4 MiB;
+# a 152k x 1024 vocabulary's, 622 MiB, stays tied and row-major)
+TIED_HEAD_COPY_MAX_BYTES = 256 << 20
 
 
 def column_major_linears(model: nn.Module) -> int:
@@ -43,3 +60,22 @@ def column_major_linears(model: nn.Module) -> int:
             w.data = w.data.t().contiguous().t()
         done += 1
     return done
+
+
+def column_major_tied_head(lm_head: nn.Module, embedding: nn.Module) -> bool:
+    """Give a float32 CPU LM head whose weight is `embedding`'s table its own column-major copy
+    (the same values; the embedding keeps the table, row-major). Returns whether it did: a head
+    not tied, on another device, of another dtype, or over TIED_HEAD_COPY_MAX_BYTES is left.
+    The head's Parameter is replaced, so the model's two weights are no longer one tensor:
+    nothing serving trains the target, and a copy of frozen weights stays equal to the table."""
+    w = getattr(lm_head, "weight", None)
+    table = getattr(embedding, "weight", None)
+    if w is None or table is None or w.data_ptr() != table.data_ptr():
+        return False
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return False
+    if w.numel() * w.element_size() > TIED_HEAD_COPY_MAX_BYTES:
+        return False
+    with torch.no_grad():
+        lm_head.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+    return True

@@ -50,7 +50,7 @@ class OracleProposer:
 
     @torch.inference_mode()
     def propose(self, last, ctx_lens, histories, slots=None, read=None):
-        """Block states [bs, B, H], or [bs, R, H] at block slots read [bs, R] (as DFlashProposer)."""
+        """Block states [bs, B, H], or [bs, R, H] at block slots read [bs, R] or a slice (as DFlashProposer)."""
         b, vocab = self.block_size, self.target.vocab_size
         rows = []
         for hist in histories:
@@ -60,7 +60,9 @@ class OracleProposer:
             rows.append(torch.where(wrong, noise, out))
         self._props = torch.stack(rows)  # [bs, B-1]
         states = torch.randn(len(histories), b, self.drafter.config.hidden_size, generator=self.gen, dtype=torch.float64)
-        return states if read is None else states.gather(1, read[..., None].expand(-1, -1, states.shape[-1]))
+        if read is None:
+            return states
+        return states[:, read] if isinstance(read, slice) else states.gather(1, read[..., None].expand(-1, -1, states.shape[-1]))
 
     def proposal_logits(self, hidden, rows, slots):
         logits = torch.full((rows.numel(), self.target.vocab_size), -10.0, dtype=torch.float64)

@@ -51,18 +51,43 @@ def test_the_logits_are_the_row_major_weights_logits_to_rounding():
     torch.testing.assert_close(column, row, rtol=1e-5, atol=1e-5)
 
 
-def test_a_weight_tied_to_the_embedding_stays_row_major():
+def test_a_head_tied_to_the_embedding_gets_its_own_column_major_copy_and_the_embedding_stays_row_major():
     model = _qwen3(tie=True)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.weight is table
+    before = table.detach().clone()
     target = HFTarget(model)
-    assert target.relaid_linears == len(_linears(model)) - 1
-    assert model.lm_head.weight.is_contiguous()  # an embedding reads rows
+    assert target.head_copied
+    assert target.relaid_linears == len(_linears(model)) - 1  # the head is copied, not relaid in place
+    head = model.lm_head.weight
+    assert head is not table and head.data_ptr() != table.data_ptr()
+    assert not head.is_contiguous() and head.t().is_contiguous(), head.stride()
+    assert table.is_contiguous() and model.model.embed_tokens.weight is table  # an embedding reads rows
+    assert torch.equal(head, before) and torch.equal(table, before)
+    assert target.lm_head is model.lm_head and target.lm_head.weight is head
+    batch = TargetBatch.from_lists([[5, 9, 2, 7], [3, 4]], [0, 0])
+    copied, _ = target.forward(batch, target.new_cache(2, 16))
+    with torch.no_grad():
+        model.lm_head.weight = table  # tied again, row-major
+    tied, _ = target.forward(batch, target.new_cache(2, 16))
+    torch.testing.assert_close(copied, tied, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_head_over_the_copy_limit_stays_tied(monkeypatch):
+    from sglang_adaflash.target import weight_layout
+
+    model = _qwen3(tie=True)
+    table = model.model.embed_tokens.weight
+    monkeypatch.setattr(weight_layout, "TIED_HEAD_COPY_MAX_BYTES", table.numel() * table.element_size() - 1)
+    target = HFTarget(model)
+    assert not target.head_copied
+    assert model.lm_head.weight is table and table.is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_other_dtypes_are_left_as_loaded(dtype):
     target = HFTarget(_qwen3(dtype))
-    assert target.relaid_linears == 0
+    assert target.relaid_linears == 0 and not target.head_copied
     assert all(m.weight.is_contiguous() for m in _linears(target.model))
 
 
@@ -80,3 +105,36 @@ def test_greedy_output_on_a_relaid_float32_target_equals_plain_decoding_with_joi
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
     taus = [t for o in spec for t in o.stats.accept_lens]
     assert max(taus) > 2 and any(n > max(1, t) for o in spec for n, t in zip(o.stats.verify_lens, o.stats.accept_lens))
+
+
+def test_the_engines_drafter_is_column_major_and_a_reload_keeps_the_layout_with_the_new_values():
+    """The DFlash proposer relays out a float32 drafter's projections as HFTarget does the
+    target's; a hot reload (serving.reload's ModuleTarget.write: copies into the live tensors)
+    lands the new version's values in that layout."""
+    from sglang_adaflash.engine.engine import SpecEngine
+    from sglang_adaflash.serving.reload.apply import ModuleTarget
+
+    drafter = tiny_drafter(seed=5, dtype=torch.float32)
+    before = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    eng = SpecEngine(tiny_target(seed=4, dtype=torch.float32), drafter, mode="adaflash", max_batch_size=2,
+                     max_seq_len=32)
+    lins = [m for m in _linears(drafter) if min(m.weight.shape) > 1]  # a vector's layout cannot change
+    assert eng.proposer.relaid_linears == len(lins) > 0
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in lins)
+    assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
+    new = {k: v + 1.0 for k, v in before.items()}
+    ModuleTarget(drafter).write(new)
+    assert all(torch.equal(v, new[k]) for k, v in drafter.state_dict().items())
+    assert all(m.weight.t().is_contiguous() for m in lins)
+
+
+def test_greedy_output_with_the_real_drafter_relaid_in_float32_equals_plain_decoding_with_joins():
+    """The DFlash proposer on a float32 drafter (column-major, RoPE from its table, one request
+    without a mask): proposals are the drafter's own, the output still ar's."""
+    target = tiny_target(seed=4, dtype=torch.float32)
+    drafter = tiny_drafter(seed=5, dtype=torch.float32)
+    prompts, max_new = _prompts(6, seed=8), [21, 5, 30, 12, 1, 17]
+    ar = _run(target, None, "ar", prompts, max_new, batch=3)
+    for mode, batch in (("dflash", 3), ("adaflash-history", 3), ("dflash", 1)):
+        spec = _run(target, drafter, mode, prompts, max_new, batch=batch)
+        assert [o.output_ids for o in spec] == [o.output_ids for o in ar], (mode, batch)

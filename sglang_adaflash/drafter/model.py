@@ -162,20 +162,20 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         read: torch.Tensor | slice | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Runs the layers over a block.
 
         block_embeds [N, Q, H]; block_positions [N, Q]; ctx_kv per layer ([N, kvh, C, hd] x2);
-        mask [N, 1, Q, C+Q] bool. Returns the final normed block states [N, Q, H], or with
-        read [N, R] (block slots; a slice when every row reads the same ones) only those states
-        [N, R, H]: the last layer then runs its
-        queries, output projection and MLP on those slots alone, since no later layer needs the
-        others (a recovery branch reads 4 of a block's 16 slots). rope: (cos, sin) at
-        block_positions when the caller has them, as in context_kv. mask None: every query sees
-        every key (one request's block over its whole context).
+        mask [N, 1, Q, C+Q] bool, or None where every query sees every key (one request's block
+        over its whole context). Returns the final normed block states [N, Q, H], or with read
+        [N, R] (block slots; a slice when every row reads the same ones) only those states
+        [N, R, H]: the last layer then runs its queries, output projection and MLP on those
+        slots alone, since no later layer needs the others (a recovery branch reads 4 of a
+        block's 16 slots). rope: (cos, sin) at block_positions when the caller has them, as in
+        context_kv.
         """
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = rope if rope is not None else self.rope(block_positions, x.dtype)

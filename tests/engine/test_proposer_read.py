@@ -7,15 +7,21 @@ import torch
 from sglang_adaflash.engine.engine import SpecEngine
 
 
-@pytest.mark.parametrize("slots", [None, [0, 2]])  # the whole batch (a cache view), some rows (a gather)
-def test_propose_reads_the_whole_blocks_states_at_the_slots_read(target, drafter, slots):
+def _proposer_with_context(target, drafter, slots, seed):
+    """A dflash engine's proposer with random context in its three cache slots, and the rows of
+    `slots` (all three when None): their indices, last tokens and committed context lengths
+    (each row sees its own)."""
     prop = SpecEngine(target, drafter, mode="dflash", max_batch_size=3, max_seq_len=64).proposer
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     feats = torch.randn(3, 9, drafter.fc.in_features, generator=g, dtype=drafter.fc.weight.dtype)
     prop.extend_context(feats, torch.zeros(3, dtype=torch.long), [0, 1, 2])
     rows = slots or [0, 1, 2]
-    last = torch.tensor([11, 12, 13])[rows]
-    ctx = torch.tensor([5, 9, 7])[rows]  # each row sees its own committed context
+    return prop, rows, torch.tensor([11, 12, 13])[rows], torch.tensor([5, 9, 7])[rows]
+
+
+@pytest.mark.parametrize("slots", [None, [0, 2]])  # the whole batch (a cache view), some rows (a gather)
+def test_propose_reads_the_whole_blocks_states_at_the_slots_read(target, drafter, slots):
+    prop, rows, last, ctx = _proposer_with_context(target, drafter, slots, seed=0)
     full = prop.propose(last, ctx, slots=slots)  # [n, B, H]
     read = torch.tensor([[1, 2], [3, 1], [5, 6]])[: len(rows)]
     part = prop.propose(last, ctx, slots=slots, read=read)
@@ -30,13 +36,7 @@ def test_a_slice_read_equals_the_whole_blocks_states_at_those_slots(target, draf
     """The engine's read (block slots 1..k of every row) as a slice, by views: the states of
     the whole block at those slots. One request attends without a mask (block_inputs), which
     must equal the masked whole block's."""
-    prop = SpecEngine(target, drafter, mode="dflash", max_batch_size=3, max_seq_len=64).proposer
-    g = torch.Generator().manual_seed(1)
-    feats = torch.randn(3, 9, drafter.fc.in_features, generator=g, dtype=drafter.fc.weight.dtype)
-    prop.extend_context(feats, torch.zeros(3, dtype=torch.long), [0, 1, 2])
-    rows = slots or [0, 1, 2]
-    last = torch.tensor([11, 12, 13])[rows]
-    ctx = torch.tensor([5, 9, 7])[rows]
+    prop, rows, last, ctx = _proposer_with_context(target, drafter, slots, seed=1)
     full = prop.propose(last, ctx, slots=slots)
     embeds, positions, mask, c = prop.block_inputs(last, ctx)  # masked, whatever the batch
     assert mask is not None

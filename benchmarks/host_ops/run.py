@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.alternating import alternating_medians  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
 from sglang_adaflash.core.sampling import greedy_ids  # noqa: E402
 from sglang_adaflash.engine.proposer import DFlashProposer  # noqa: E402
@@ -31,15 +30,7 @@ from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 
 def alternate(a, b, repeats: int) -> tuple[float, float]:
     """Median microseconds of a() and b(), called a, b, b, a per round (the first round untimed)."""
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for rep in range(repeats + 1):
-        for which in (0, 1, 1, 0):
-            fn = a if which == 0 else b
-            t0 = time.perf_counter()
-            fn()
-            if rep:
-                times[which].append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times[0]), 1e6 * statistics.median(times[1])
+    return tuple(1e6 * t for t in alternating_medians(a, b, repeats))
 
 
 def main(argv=None) -> int:

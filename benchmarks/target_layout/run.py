@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.alternating import alternating_medians  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
 from sglang_adaflash.fsio import write_text_atomic  # noqa: E402
 from sglang_adaflash.launch.loading import load_pair  # noqa: E402
@@ -96,14 +97,9 @@ def head_gemm(target, rows: list[int], repeats: int) -> list[dict]:
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, w.shape[1], generator=g, dtype=w.dtype)
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for rep in range(repeats + 1):
-                for column in (False, True, True, False):
-                    t0 = time.perf_counter()
-                    torch.nn.functional.linear(x, layouts[column])
-                    if rep:
-                        times[column].append(time.perf_counter() - t0)
-            row_us, col_us = (1e6 * statistics.median(times[c]) for c in (False, True))
+            row_us, col_us = (1e6 * t for t in alternating_medians(
+                lambda x=x: torch.nn.functional.linear(x, layouts[False]),
+                lambda x=x: torch.nn.functional.linear(x, layouts[True]), repeats))
             out.append({"rows": n, "row_major_us": round(row_us, 1), "column_major_us": round(col_us, 1),
                         "column_over_row": round(col_us / row_us, 3)})
     return out

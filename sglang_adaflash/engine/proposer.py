@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..core.kv_cache import SlotKVCache
-from ..core.layers import rope_cos_sin
 from ..drafter.model import DFlashDrafter
 from ..target.weight_layout import column_major_linears
 
@@ -23,8 +22,7 @@ class DFlashProposer:
         # a hot reload copies new values into these tensors, keeping the layout
         self.relaid_linears = column_major_linears(drafter)
         # RoPE's cos and sin at every position the cache holds, read by index (rope_at)
-        self.rope_table = rope_cos_sin(torch.arange(capacity, device=ref.device), cfg.head_dim, cfg.rope_theta,
-                                       ref.dtype)
+        self.rope_table = drafter.rope(torch.arange(capacity, device=ref.device), ref.dtype)
         self.cache = SlotKVCache(
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,

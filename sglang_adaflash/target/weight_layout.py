@@ -52,12 +52,12 @@ def column_major_linears(model: nn.Module) -> int:
         if not isinstance(module, nn.Linear):
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.data_ptr() in embedded:
+        if not _relaid_here(w) or w.data_ptr() in embedded:
             continue
-        if w.dim() != 2 or not w.is_contiguous() or w.shape[0] == 1 or w.shape[1] == 1:
+        if not w.is_contiguous() or w.shape[0] == 1 or w.shape[1] == 1:
             continue  # already relaid out, or a vector, whose layout cannot change
         with torch.no_grad():
-            w.data = w.data.t().contiguous().t()
+            w.data = _column_major(w.data)
         done += 1
     return done
 
@@ -70,12 +70,20 @@ def column_major_tied_head(lm_head: nn.Module, embedding: nn.Module) -> bool:
     nothing serving trains the target, and a copy of frozen weights stays equal to the table."""
     w = getattr(lm_head, "weight", None)
     table = getattr(embedding, "weight", None)
-    if w is None or table is None or w.data_ptr() != table.data_ptr():
-        return False
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+    if w is None or table is None or w.data_ptr() != table.data_ptr() or not _relaid_here(w):
         return False
     if w.numel() * w.element_size() > TIED_HEAD_COPY_MAX_BYTES:
         return False
     with torch.no_grad():
-        lm_head.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+        lm_head.weight = nn.Parameter(_column_major(w.detach()), requires_grad=False)
     return True
+
+
+def _relaid_here(w: torch.Tensor) -> bool:
+    """A weight of the case measured: a float32 matrix on a CPU."""
+    return w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    """The same values, shape and dtype, stored column-major (a transposed copy's transpose)."""
+    return w.t().contiguous().t()

@@ -23,6 +23,10 @@ class ProfiledEngine(Protocol):
     proposer: object
     device: torch.device
     max_batch_size: int
+    block_size: int
+
+
+VERIFY_ROUNDS = 5  # rounds of the target's verify shapes, each shape timed once a round (best of)
 
 
 def kv_cache_bytes(target: HFTarget, drafter: DFlashDrafter | None, *, mode: str, max_batch_size: int, max_seq_len: int) -> int:
@@ -47,19 +51,20 @@ def profile_step_cost(engine: ProfiledEngine, context: int = 64, repeats: int = 
     """Fit time = fixed + per_token * T for one request's verify forward, and the drafter's costs.
 
     The target is timed at the shapes a verify has: one request over `context` cached tokens,
-    verifying 1, 2 and a whole block's tokens. A verified token's price is the slope between 2
-    and a block (leaving the single-token path, the step from 1 to 2, is the online fit's own
-    term), and `fixed` is what a plain step costs beyond its one token. Prefill-sized forwards
-    (16 and 128 tokens from position 0) priced a verified token at half of what it costs where
-    a verify runs: on the embedded pair, on an Intel Xeon, 0.087 ms against 0.19 between 2 and 9
-    verified tokens over 64-150 cached ones (benchmarks/adaptive/profile_shapes/). At one request
-    the online fit hardly moves this price (its verify lengths vary too little to outweigh the
-    ridge's centre), so the rule planned with a verified token at half its price.
+    verifying 1, 2 and a whole block's tokens (best of VERIFY_ROUNDS interleaved rounds). A
+    verified token's price is the slope between 2 and a block (leaving the single-token path,
+    the step from 1 to 2, is the online fit's own term), and `fixed` is what a plain step costs
+    beyond its one token. Prefill-sized forwards (16 and 128 tokens from position 0) priced a
+    verified token at half of what it costs where a verify runs: on the embedded pair, on an
+    Intel Xeon, 0.087 ms against 0.19 between 2 and 9 verified tokens over 64-150 cached ones
+    (benchmarks/adaptive/profile_shapes/). At one request the online fit hardly moves this
+    price (its verify lengths vary too little to outweigh the ridge's centre), so the rule
+    planned with a verified token at half its price.
 
     Runs on a scratch cache of its own; called once, lazily, by adaflash mode.
     """
     target = engine.target
-    block = getattr(engine.proposer, "block_size", None) or 16
+    block = max(engine.block_size, 3)
     scratch = target.new_cache(1, context + block + 1)
     ids = torch.zeros(1, max(context, block), dtype=torch.long, device=engine.device)
     target.forward(TargetBatch(ids[:, :context], torch.zeros(1, dtype=torch.long, device=engine.device),
@@ -71,7 +76,7 @@ def profile_step_cost(engine: ProfiledEngine, context: int = 64, repeats: int = 
     for batch in batches:
         target.forward(batch, scratch)  # untimed: a shape's first forward (allocations, caches) is no step's cost
     best = [float("inf")] * len(shapes)
-    for _ in range(max(repeats, 1) + 3):  # interleaved, so a burst of load spoils one repeat of each, not a slope
+    for _ in range(VERIFY_ROUNDS):  # interleaved: a burst of load spoils one round of each shape, not a slope
         for i, batch in enumerate(batches):
             t0 = synced_time(engine.device)
             target.forward(batch, scratch)

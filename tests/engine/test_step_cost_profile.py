@@ -54,7 +54,7 @@ def profiled(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(sizing, "synced_time", clock)
     target = _PricedTarget(clock)
-    engine = SimpleNamespace(target=target, drafter=None, proposer=SimpleNamespace(block_size=16),
+    engine = SimpleNamespace(target=target, drafter=None, proposer=None, block_size=16,
                              device=torch.device("cpu"), max_batch_size=1)
     return engine, target
 
@@ -72,6 +72,6 @@ def test_a_verified_token_is_priced_at_the_verify_slope_not_the_prefill_slope(pr
 
 def test_the_profile_reads_the_verify_shapes_of_the_engines_block(profiled):
     engine, target = profiled
-    engine.proposer = SimpleNamespace(block_size=8)
+    engine.block_size = 8
     sizing.profile_step_cost(engine)
     assert max(q for start, q in target.shapes if start > 0) == 8

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
 from sglang_adaflash.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from sglang_adaflash.bench.alternating import round_robin_medians  # noqa: E402
 from sglang_adaflash.bench.machine import cpu_description  # noqa: E402
 from sglang_adaflash.engine.engine import SpecEngine  # noqa: E402
 from sglang_adaflash.engine.sizing import profile_step_cost  # noqa: E402
@@ -33,17 +32,10 @@ from sglang_adaflash.launch.loading import load_pair  # noqa: E402
 from sglang_adaflash.target.hf_target import TargetBatch  # noqa: E402
 
 
-def interleaved_medians(target, cache, batches: dict, rounds: int) -> dict:
-    """Median ms of each batch's forward over `rounds` rounds, one forward of each per round
-    (one untimed round first)."""
-    times = {k: [] for k in batches}
-    for rep in range(rounds + 1):
-        for k, batch in batches.items():
-            t0 = time.perf_counter()
-            target.forward(batch, cache)
-            if rep:
-                times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+def forward_medians(target, cache, batches: dict, rounds: int) -> dict:
+    """Median ms of each batch's forward, one forward of each per round (bench.alternating)."""
+    fns = {k: (lambda b=b: target.forward(b, cache)) for k, b in batches.items()}
+    return {k: 1e3 * v for k, v in round_robin_medians(fns, rounds).items()}
 
 
 def slope(ms: dict, lo: int, hi: int) -> float:
@@ -62,8 +54,8 @@ def main(argv=None) -> int:
     pair = load_pair(TARGET_DIR, DRAFTER_DIR, dtype="float32")
     target = pair.target
     block = pair.drafter.config.block_size
+    # the engine's constructor sets the target to capture the features adaflash's forwards capture
     engine = SpecEngine(target, pair.drafter, mode="adaflash", max_batch_size=1, max_seq_len=400)
-    target.capture_layer_ids = engine._capture  # the features adaflash's forwards capture
     out = {"command": "benchmarks/adaptive/profile_shapes.py " + " ".join(argv or sys.argv[1:]),
            "machine": cpu_description(), "threads": args.threads, "rounds": args.rounds, "verify": []}
     with torch.inference_mode():
@@ -72,7 +64,7 @@ def main(argv=None) -> int:
             ids = torch.randint(10, target.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
             target.forward(TargetBatch(ids, torch.zeros(1, dtype=torch.long), torch.tensor([context])), cache)
             batches = {q: TargetBatch(ids[:, :q], torch.tensor([context]), torch.tensor([q])) for q in range(1, block + 1)}
-            ms = interleaved_medians(target, cache, batches, args.rounds)
+            ms = forward_medians(target, cache, batches, args.rounds)
             out["verify"].append({
                 "context": context,
                 "forward_ms": {str(q): round(v, 3) for q, v in ms.items()},
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
         cache = target.new_cache(1, 129)
         zeros = torch.zeros(1, 128, dtype=torch.long)
         pre = {n: TargetBatch(zeros[:, :n], torch.zeros(1, dtype=torch.long), torch.tensor([n])) for n in (16, 128)}
-        ms = interleaved_medians(target, cache, pre, max(args.rounds // 4, 5))
+        ms = forward_medians(target, cache, pre, max(args.rounds // 4, 5))
         out["prefill_16_to_128"] = {"forward_ms": {str(n): round(v, 3) for n, v in ms.items()},
                                     "slope_ms": round(slope(ms, 16, 128), 4)}
     profiles = [profile_step_cost(engine) for _ in range(args.profiles)]
